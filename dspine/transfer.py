@@ -1,0 +1,59 @@
+"""The shared transfer space U = E_out·P and the per-layer gated adjacent injection.
+
+U ([V, r]) is built from the target's frozen output embeddings (`lm_head.weight`, [V, H]) and a
+learned projection P ([H, r]); it is the common language in which a block position states
+"my token is ..." cheaply. While training, U is rebuilt on every call (P learns); in eval mode it
+is cached until the weights change (`invalidate`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from dspine.kernels import dispatch
+from dspine.kernels.adjacent_injection import adjacent_injection_reference
+
+
+class TransferSpace(nn.Module):
+    def __init__(self, hidden_size: int, rank: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, rank, bias=False)  # P, stored as [r, H]
+        self._cached: Tensor | None = None
+
+    def table(self, output_embeddings: Tensor) -> Tensor:
+        """output_embeddings: [V, H] (frozen) -> U [V, r]."""
+        if self.training or torch.is_grad_enabled():
+            self._cached = None
+            return self.proj(output_embeddings.to(self.proj.weight.dtype))
+        if self._cached is None or self._cached.device != output_embeddings.device:
+            self._cached = self.proj(output_embeddings.to(self.proj.weight.dtype))
+        return self._cached
+
+    def invalidate(self) -> None:
+        self._cached = None
+
+
+class AdjacentInjection(nn.Module):
+    """One layer's injection: scores -> top-k -> softmax -> gather U -> weighted sum -> gate -> add."""
+
+    def __init__(self, hidden_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.score_proj = nn.Linear(hidden_size, rank, bias=False)   # W_s
+        self.gate = nn.Linear(hidden_size + rank, hidden_size)        # G
+        self.out_proj = nn.Linear(rank, hidden_size, bias=False)      # W_o
+
+    def forward(self, h: Tensor, table: Tensor, anchor_ids: Tensor, need_scores: bool) -> tuple[Tensor, Tensor | None]:
+        """h: [n, B, H] (n blocks); table: [V, r]; anchor_ids: [n].
+
+        Returns (h with injection [n, B, H], transfer-space scores [n, B, V] or None). Scores
+        are needed by layer-wise supervision; without them the fused kernel may run.
+        """
+        if not need_scores and dispatch.use_triton(h):
+            from dspine.kernels.adjacent_injection import adjacent_injection
+            return adjacent_injection(h, self.score_proj.weight, table, anchor_ids, self.gate.weight,
+                                      self.gate.bias, self.out_proj.weight, self.top_k), None
+        out, scores = adjacent_injection_reference(h, self.score_proj.weight, table, anchor_ids, self.gate.weight,
+                                                   self.gate.bias, self.out_proj.weight, self.top_k)
+        return out, scores if need_scores else None

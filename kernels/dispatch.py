@@ -1,0 +1,30 @@
+"""Kernel-vs-reference choice: Triton on CUDA tensors, PyTorch elsewhere.
+
+`DSPINE_KERNELS=auto` (default) | `triton` | `torch`. Forcing `triton` on CPU tensors only works
+under `TRITON_INTERPRET=1` (the CPU test mode).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+MODES = ("auto", "triton", "torch")
+
+
+def kernel_mode() -> str:
+    mode = os.environ.get("DSPINE_KERNELS", "auto").lower()
+    if mode not in MODES:
+        raise ValueError(f"DSPINE_KERNELS={mode!r}: use one of {MODES}")
+    return mode
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the fused Triton kernel should run on tensors living where `t` lives."""
+    mode = kernel_mode()
+    if mode == "torch":
+        return False
+    if mode == "triton":
+        return True
+    return t.is_cuda

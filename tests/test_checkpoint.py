@@ -1,0 +1,131 @@
+"""Checkpoint format: exact round trip, sharding, strict validation with named errors, atomic save."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import drafter_for, tiny_llama
+from dspine.checkpoint import (CheckpointError, IncompatibleTargetError, MissingTensorsError, TensorMismatchError,
+                               UnexpectedTensorsError, load_checkpoint, save_checkpoint)
+
+
+@pytest.fixture()
+def saved(tmp_path, llama_target):
+    model = drafter_for(llama_target)
+    return model, save_checkpoint(model, tmp_path / "ckpt", dtype=torch.float32)
+
+
+def test_round_trip_is_exact(saved, llama_target):
+    model, path = saved
+    loaded = load_checkpoint(path, target=llama_target)
+    assert loaded.config == model.config
+    for name, t in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["DSpineDraftModel"] and cfg["model_type"] == "qwen3"
+
+
+def test_sharded_round_trip(tmp_path, llama_target):
+    model = drafter_for(llama_target)
+    path = save_checkpoint(model, tmp_path / "sharded", dtype=torch.bfloat16, max_shard_bytes=60_000)
+    assert len(list(path.glob("model-*-of-*.safetensors"))) > 1 and (path / "model.safetensors.index.json").exists()
+    loaded = load_checkpoint(path, dtype=torch.bfloat16)
+    for name, t in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t.to(torch.bfloat16)), name
+
+
+def test_hf_config_parses_with_transformers(saved):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(saved[1])
+    assert cfg.architectures == ["DSpineDraftModel"] and cfg.num_hidden_layers == 5
+
+
+def _edit_tensors(path, fn):
+    f = path / "model.safetensors"
+    state = load_file(str(f))
+    fn(state)
+    save_file(state, str(f), metadata={"format": "pt"})
+
+
+def test_missing_tensor(saved):
+    _, path = saved
+    _edit_tensors(path, lambda s: s.pop("fc.weight"))
+    with pytest.raises(MissingTensorsError, match="fc.weight"):
+        load_checkpoint(path)
+
+
+def test_unexpected_tensor(saved):
+    _, path = saved
+    _edit_tensors(path, lambda s: s.__setitem__("extra.weight", torch.zeros(2)))
+    with pytest.raises(UnexpectedTensorsError, match="extra.weight"):
+        load_checkpoint(path)
+
+
+def test_wrong_shape_and_dtype(saved):
+    _, path = saved
+    original = load_file(str(path / "model.safetensors"))["fc.weight"]
+    _edit_tensors(path, lambda s: s.__setitem__("fc.weight", torch.zeros(3, 3)))
+    with pytest.raises(TensorMismatchError, match=r"fc.weight has shape \(3, 3\)"):
+        load_checkpoint(path)
+    _edit_tensors(path, lambda s: s.__setitem__("fc.weight", original.half()))
+    with pytest.raises(TensorMismatchError, match="torch_dtype"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("field,target_kwargs", [("vocab_size", dict(vocab=300)), ("hidden_size", dict(hidden=32)),
+                                                 ("num_target_layers", dict(layers=4))])
+def test_incompatible_target_names_the_field(saved, field, target_kwargs):
+    other = tiny_llama(**target_kwargs)
+    with pytest.raises(IncompatibleTargetError, match=f"dspine_config.{field}"):
+        load_checkpoint(saved[1], target=other)
+
+
+def test_mask_id_and_layer_ids_checked(tmp_path, llama_target):
+    path = save_checkpoint(drafter_for(llama_target), tmp_path / "c")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["dspine_config"]["target_layer_ids"] = [1, 9]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="target_layer_ids"):
+        load_checkpoint(path)
+    cfg["dspine_config"]["target_layer_ids"] = [1, 3, 4]
+    cfg["dspine_config"]["mask_token_id"] = 999
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="mask_token_id"):
+        load_checkpoint(path)
+
+
+def test_bad_config_and_bad_paths(saved, tmp_path):
+    _, path = saved
+    with pytest.raises(CheckpointError, match="neither a local directory"):
+        load_checkpoint(tmp_path / "does-not-exist")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="not a DSpine drafter"):
+        load_checkpoint(path)
+    (path / "config.json").write_text("{ not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_checkpoint(path)
+
+
+def test_failed_save_leaves_nothing(tmp_path, llama_target, monkeypatch):
+    model = drafter_for(llama_target)
+    good = save_checkpoint(model, tmp_path / "ckpt")
+    before = sorted(p.name for p in good.iterdir())
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("dspine.checkpoint.save_file", boom)
+    with pytest.raises(OSError):
+        save_checkpoint(model, tmp_path / "ckpt")
+    with pytest.raises(OSError):
+        save_checkpoint(model, tmp_path / "fresh")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]          # no temp dirs, no partial "fresh"
+    assert sorted(p.name for p in good.iterdir()) == before                 # the old checkpoint is intact
+    load_checkpoint(good)
