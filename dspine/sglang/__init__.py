@@ -1,0 +1,11 @@
+"""The SGLang adapter: the only part of DSpine that imports SGLang (supported: 0.5.17 to 0.5.22).
+
+- `plugin.register`: the `sglang.srt.plugins` entry point (algorithm `DSPINE`, draft architecture
+  `DSpineDraftModel`);
+- `algorithm.DSpineSpecAlgo`: SGLang's view of DSPINE (predicates, server-args resolution);
+- `rules`: the flag rules, pure Python, shared with `dspine serve`;
+- `compat`: the version shims between SGLang 0.5.17 and 0.5.22;
+- `worker`, `draft_model`: the DSPINE worker and SGLang draft-model class.
+
+Importing this package imports no SGLang: each module imports it where it is needed.
+"""

@@ -1,0 +1,147 @@
+"""SGLang plugin entry point: `register()` makes `--speculative-algorithm DSPINE` exist.
+
+pyproject.toml:
+
+    [project.entry-points."sglang.srt.plugins"]
+    dspine = "dspine.sglang.plugin:register"
+
+SGLang's `load_plugins()` calls `register()` with no arguments in every process that may parse
+server args or build workers (launcher, scheduler, and in 0.5.22 also the DP controller and the
+detokenizer). It registers:
+
+- the algorithm `DSPINE` (`DSpineSpecAlgo`, overlap-capable, worker imported lazily by the factory);
+- the draft architecture `DSpineDraftModel` in SGLang's `ModelRegistry`, added the moment the
+  registry module is imported (at once if it already is), so processes that never load a model
+  import neither the registry nor DSpine's model class.
+
+SGLang logs and swallows exceptions from plugins, after which the only symptom is a later
+`Unknown speculative algorithm name: DSPINE`. So a failure here is logged at ERROR with the
+reason and a hint, and re-raised.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import logging
+import sys
+from typing import Callable
+
+from dspine.sglang.rules import ALGORITHM
+
+logger = logging.getLogger(__name__)
+
+DRAFT_ARCHITECTURE = "DSpineDraftModel"
+SUPPORTED_SGLANG = ("0.5.17", "0.5.22")
+_REGISTRY_MODULE = "sglang.srt.models.registry"
+_SPEC_HOOK_LOGGER = "sglang.srt.arg_groups.speculative_hook"
+
+
+def register() -> None:
+    """Register DSPINE with SGLang. Idempotent: a second call (or a second `load_plugins`) is a no-op."""
+    try:
+        _register_algorithm()
+        _register_draft_architecture()
+        _hide_misleading_window_warning()
+    except Exception as e:
+        logger.error(
+            "DSpine could not register with SGLang: %s: %s. SGLang ignores plugin errors, so the server "
+            "would fail later with 'Unknown speculative algorithm name: DSPINE'. Hint: %s",
+            type(e).__name__, e, _hint())
+        raise
+
+
+def _hint() -> str:
+    try:
+        from dspine.sglang.compat import sglang_version
+        version = sglang_version()
+    except Exception:
+        version = "not installed"
+    return (f"DSpine supports sglang {SUPPORTED_SGLANG[0]} to {SUPPORTED_SGLANG[-1]} (found: {version}); "
+            "run `python -c 'from dspine.sglang.plugin import register; register()'` for the full traceback, "
+            "and `pip install --no-deps -e .` in the dspine checkout if the entry point is stale.")
+
+
+def _register_algorithm() -> None:
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    try:
+        existing = SpeculativeAlgorithm.from_string(ALGORITHM)
+    except ValueError:
+        existing = None
+    if existing is not None:
+        if type(existing).__name__ != "DSpineSpecAlgo":
+            raise RuntimeError(f"the speculative algorithm name {ALGORITHM} is already taken by "
+                               f"{type(existing).__module__}.{type(existing).__name__}")
+        return
+    from dspine.sglang.algorithm import DSpineSpecAlgo
+
+    SpeculativeAlgorithm.register(ALGORITHM, supports_overlap=True, spec_class=DSpineSpecAlgo)(_worker_factory)
+    logger.info("DSpine: registered --speculative-algorithm %s.", ALGORITHM)
+
+
+def _worker_factory(server_args) -> type:
+    """`CustomSpecAlgo.create_worker` calls this in the scheduler; the worker (CUDA-side imports)
+    is imported only then."""
+    from dspine.sglang.worker import DSpineWorkerV2
+
+    return DSpineWorkerV2
+
+
+def _register_draft_architecture() -> None:
+    module = sys.modules.get(_REGISTRY_MODULE)
+    if module is not None:
+        _add_draft_architecture(module)
+    elif not any(isinstance(f, _AfterImport) and f.fullname == _REGISTRY_MODULE for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(_REGISTRY_MODULE, _add_draft_architecture))
+
+
+def _add_draft_architecture(registry_module) -> None:
+    try:
+        from dspine.sglang.draft_model import DSpineDraftModel
+
+        registry_module.ModelRegistry.models[DRAFT_ARCHITECTURE] = DSpineDraftModel
+    except Exception as e:
+        logger.error("DSpine could not register the draft architecture %s: %s: %s. Hint: %s",
+                     DRAFT_ARCHITECTURE, type(e).__name__, e, _hint())
+        raise
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """One-shot import hook: run `callback(module)` right after `fullname` is first imported."""
+
+    def __init__(self, fullname: str, callback: Callable) -> None:
+        self.fullname = fullname
+        self.callback = callback
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.fullname:
+            return None
+        sys.meta_path.remove(self)  # let the normal finders locate the module
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_callback(module):
+            exec_module(module)
+            self.callback(module)
+
+        spec.loader.exec_module = exec_then_callback
+        return spec
+
+
+class _DraftWindowWarningFilter(logging.Filter):
+    """SGLang warns "--speculative-draft-window-size has no effect" for every algorithm but DFLASH and
+    EAGLE*; DSPINE's DFlash-based worker does honour the window, so that warning is wrong here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith("--speculative-draft-window-size has no effect")
+                    and isinstance(record.args, tuple) and bool(record.args)
+                    and str(record.args[0]).upper() == ALGORITHM)
+
+
+def _hide_misleading_window_warning() -> None:
+    hook_logger = logging.getLogger(_SPEC_HOOK_LOGGER)
+    if not any(isinstance(f, _DraftWindowWarningFilter) for f in hook_logger.filters):
+        hook_logger.addFilter(_DraftWindowWarningFilter())

@@ -1,0 +1,1 @@
+"""Drafter training: target-regenerated data, online training, acceptance benchmark."""

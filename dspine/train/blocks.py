@@ -1,0 +1,63 @@
+"""Training batches: sequences -> random block anchors, draft attention masks and labels.
+
+For a sequence of L tokens with target hidden states h[0..L-1], a block anchored at position a
+has the anchor token ids[a] at slot 0 and predicts ids[a+1 .. a+B-1] at slots 1..B-1, seeing only
+the context h[j] for a - window <= j < a — exactly what the drafter sees at inference after the
+target verified tokens 0..a-1 and emitted ids[a] as the bonus token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class BlockBatch:
+    """input_ids/valid: [bs, L] right-padded sequences; anchors: [bs, nb] anchor positions;
+    anchor_ids: [bs, nb]; block_positions: [bs, nb·B]; labels: [bs·nb, B-1] (-100 = ignore);
+    mask: [bs, nb·B, L + nb·B] bool draft attention mask."""
+
+    input_ids: Tensor
+    valid: Tensor
+    anchors: Tensor
+    anchor_ids: Tensor
+    block_positions: Tensor
+    labels: Tensor
+    mask: Tensor
+
+    def to(self, device) -> "BlockBatch":
+        return BlockBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def make_block_batch(records: list[dict], *, block_size: int, blocks_per_seq: int, window: int, max_len: int,
+                     generator: torch.Generator) -> BlockBatch:
+    """Pad `records` ({"ids", "answer_start"}) to one batch and draw `blocks_per_seq` anchors each,
+    uniformly over answer positions (with replacement when the answer is short)."""
+    seqs = [r["ids"][:max_len] for r in records]
+    bs, length = len(seqs), max(len(s) for s in seqs)
+    input_ids = torch.zeros(bs, length, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        input_ids[b, : len(s)] = torch.tensor(s)
+    lens = torch.tensor([len(s) for s in seqs])
+    valid = torch.arange(length)[None] < lens[:, None]
+    anchors = torch.empty(bs, blocks_per_seq, dtype=torch.long)
+    for b, r in enumerate(records):
+        lo = min(max(r["answer_start"], 1), len(seqs[b]) - 2)   # an anchor needs context and a next token
+        hi = len(seqs[b]) - 2
+        anchors[b] = torch.randint(lo, hi + 1, (blocks_per_seq,), generator=generator).sort().values
+    offsets = torch.arange(block_size)
+    slot_pos = anchors[..., None] + offsets                                           # [bs, nb, B]
+    labels = input_ids.gather(1, slot_pos.clamp(max=length - 1).view(bs, -1)).view(bs, blocks_per_seq, block_size)
+    labels = labels.masked_fill(slot_pos >= lens[:, None, None], -100)[..., 1:]        # [bs, nb, B-1]
+    anchor_ids = input_ids.gather(1, anchors)
+    ctx = torch.arange(length)
+    ctx_mask = (ctx[None, None] < anchors[..., None]) & (ctx[None, None] >= anchors[..., None] - window)
+    ctx_mask &= valid[:, None]                                                       # [bs, nb, L]
+    ctx_mask = ctx_mask[:, :, None].expand(bs, blocks_per_seq, block_size, length).reshape(bs, -1, length)
+    blk = torch.block_diag(*[torch.ones(block_size, block_size, dtype=torch.bool)] * blocks_per_seq)
+    mask = torch.cat([ctx_mask, blk[None].expand(bs, -1, -1)], dim=2)
+    return BlockBatch(input_ids, valid, anchors, anchor_ids, slot_pos.view(bs, -1),
+                      labels.reshape(bs * blocks_per_seq, block_size - 1), mask)

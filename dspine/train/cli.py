@@ -1,0 +1,53 @@
+"""`dspine gen-data`, `dspine train` and `dspine bench-accept` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def cmd_train(args) -> int:
+    import torch
+
+    from dspine.train.trainer import TrainConfig, train
+
+    cfg = TrainConfig.from_yaml(args.config, data=args.data, run_dir=args.run_dir, steps=args.steps,
+                                batch_size=args.batch_size)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    limit = args.time_limit_minutes * 60 if args.time_limit_minutes else None
+    export = train(cfg, device=device, time_limit_s=limit, progress=not args.quiet)
+    return 0 if export is not None else 3
+
+
+def add_command(sub) -> None:
+    from dspine.train import bench_accept, gen_data
+
+    raw = argparse.RawDescriptionHelpFormatter
+    g = sub.add_parser("gen-data", help="regenerate training answers with the target itself", formatter_class=raw,
+                       description="Target-regenerated training data (ShareGPT + synthetic code/math prompts, none "
+                                   "from an evaluation set).\n\nExample:\n"
+                                   "  dspine gen-data --out runs/data/smollm2.jsonl --num-prompts 8000 --batch-size 512")
+    gen_data.add_arguments(g)
+    g.set_defaults(func=gen_data.run_gen_data)
+
+    t = sub.add_parser("train", help="train a drafter online (frozen target in the loop)", formatter_class=raw,
+                       description="Online training with checkpoint/resume. A run stopped by --time-limit-minutes "
+                                   "exits with code 3 and continues where it stopped when started again.\n\n"
+                                   "Examples:\n"
+                                   "  dspine train configs/train/smollm2-dspine.yaml --data runs/data/smollm2.jsonl\n"
+                                   "  dspine train configs/train/smollm2-ablation.yaml --data ... --time-limit-minutes 8")
+    t.add_argument("config", help="YAML training config (configs/train/*.yaml)")
+    t.add_argument("--data", help="JSONL from `dspine gen-data` (overrides the config)")
+    t.add_argument("--run-dir", help="where state, log and the exported checkpoint go (overrides the config)")
+    t.add_argument("--steps", type=int)
+    t.add_argument("--batch-size", type=int)
+    t.add_argument("--device", default=None)
+    t.add_argument("--time-limit-minutes", type=float, default=None)
+    t.add_argument("-q", "--quiet", action="store_true")
+    t.set_defaults(func=cmd_train)
+
+    b = sub.add_parser("bench-accept", help="τ and per-position acceptance on the evaluation sets",
+                       formatter_class=raw,
+                       description="Example:\n  dspine bench-accept --drafter dspine=checkpoints/dspine-smollm2-135m-instruct"
+                                   " \\\n      --drafter ablation=runs/ablation/checkpoint --num-prompts 64")
+    bench_accept.add_arguments(b)
+    b.set_defaults(func=bench_accept.run_bench_accept)

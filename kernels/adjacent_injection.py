@@ -1,0 +1,445 @@
+"""Gated adjacent injection for one draft layer: PyTorch reference (the oracle) and a fused Triton path.
+
+For a batch of n blocks of B positions, position i states its token in the shared transfer space
+U = E_out·P ([V, r]): scores s_i = (h_i W_s) · Uᵀ, its top-k candidates and their softmax weights
+give the predicted feature t_i = Σ_j w_j U[c_j] (the anchor's feature is exact: t_0 = U[anchor]).
+Position i+1 then receives h_{i+1} += σ(G [h_{i+1}; t_i]) ⊙ (t_i W_o).
+
+Fused path (`adjacent_injection`), three launches after the small q = h W_sᵀ GEMM:
+
+1. `transfer_topk_fwd_kernel`, grid (M-tiles, V-chunks): split-V. Each program holds a tile of
+   query rows q [BLOCK_M, r] and streams its chunk of U in [BLOCK_V, r] tiles: scores
+   [BLOCK_M, BLOCK_V] = q·Uᵀ (bf16 MMA, fp32 accumulate) feed a running top-k per row kept in
+   registers, never in memory. A score and its vocabulary index are packed into one int64 key
+   (order-preserving float bits high, index low), so one max-reduction yields value and argmax,
+   and all keys of a row are distinct. Insertion: while some row's best remaining tile key beats
+   that row's current k-th key, replace the k-th by it (at most k rounds, usually 1-3 after the
+   first tiles). Only rows that need scores are scored: positions 1..B-2 (the anchor's feature
+   is U[anchor]; the last position has no successor). Output: [chunks, M, KP] int64 partials.
+2. `transfer_merge_fwd_kernel`, one program per (block, position < B-1): merges the chunks'
+   partial top-k, softmax over the k values (fp32), gathers the k rows of U and writes the
+   feature t [n, B-1, r] fp32 (position 0: U[anchor]).
+3. `injection_gate_fwd_kernel`, grid (M-tiles, H-tiles): out = h + σ(h G_hᵀ + t G_tᵀ + b) ⊙ (t W_oᵀ)
+   for positions ≥ 1 (t of the previous position, cast to h's dtype as the reference does) and
+   out = h at position 0, reading G once per M-tile without materialising [h; t].
+
+Bytes-moved floor per layer (bf16, 8B shapes: V = 151,936, r = 256, H = 4,096): U 77.8 MB (the
+V-loop) + G 35.7 MB (gate GEMV, H × (H + r)) + W_s, W_o 2.1 MB each = 117.6 MB: 27 µs at the
+H200's ~4.3 TB/s copy bandwidth, 137 µs for five layers (the V-loop alone: 18 µs a layer).
+Partials and t are a few hundred KB. At SmolLM2 shapes (V = 49,152, H = 576) U is 25 MB and
+stays in the 60 MB L2 across the five layers of a round. At bs = 1 the V-loop's arithmetic is
+negligible (16 rows); from bs ≈ 8 (112 rows) the q·Uᵀ MMA and the insertion rounds dominate.
+The gate's H × H block is 30% of the floor: a cheaper gate is the lever below ~0.1 ms a round.
+
+Launch configuration: `blocks_for` picks defaults (`InjectionBlocks`); scripts/bench_kernels.py
+sweeps alternatives on the device. Compiled offline for sm_90 (Triton 3.6 and 3.9) the default
+top-k program takes ~155 registers and no local memory: 3 programs per SM, each prefetching its
+next 32 KB U tile into registers while it inserts the current one.
+
+Numerics: q is computed by the same torch op as the reference (bit-identical); scores stay fp32
+(the reference rounds them to h's dtype before its top-k, which only matters at near-ties). In
+fp32 the result equals the reference to rounding; in bf16 the gate runs in fp32 with one
+rounding at the end. Static shapes, no host sync: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def transfer_features_reference(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids: Tensor,
+                                top_k: int) -> tuple[Tensor, Tensor]:
+    """h: [n, B, H]; score_weight: [r, H]; table: [V, r]; anchor_ids: [n].
+
+    Returns (t [n, B, r] fp32 predicted features with t[:, 0] = U[anchor], scores [n, B, V]).
+    """
+    scores = (h @ score_weight.T) @ table.T                      # [n, B, V]
+    top_val, top_idx = scores.topk(top_k, dim=-1)                # [n, B, k]
+    weights = torch.softmax(top_val.float(), dim=-1)             # [n, B, k]
+    t = (weights[..., None] * table[top_idx].float()).sum(-2)    # [n, B, r]
+    t = torch.cat([table[anchor_ids].float()[:, None], t[:, 1:]], dim=1)
+    return t, scores
+
+
+def inject_features_reference(h: Tensor, t: Tensor, gate_weight: Tensor, gate_bias: Tensor,
+                              out_weight: Tensor) -> Tensor:
+    """The gate-and-add half of the injection: h [n, B, H], t [n, B(-1), r] fp32 features.
+    Returns h_out [n, B, H]: position i+1 receives σ(G [h_{i+1}; t_i]) ⊙ (t_i W_o)."""
+    t_prev = t[:, :h.shape[1] - 1].to(h.dtype)                   # [n, B-1, r]
+    nxt = h[:, 1:]                                               # [n, B-1, H]
+    gate = torch.sigmoid(torch.cat([nxt, t_prev], dim=-1) @ gate_weight.T + gate_bias)
+    injected = nxt + gate * (t_prev @ out_weight.T)
+    return torch.cat([h[:, :1], injected], dim=1)
+
+
+def adjacent_injection_reference(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids: Tensor,
+                                 gate_weight: Tensor, gate_bias: Tensor, out_weight: Tensor,
+                                 top_k: int) -> tuple[Tensor, Tensor]:
+    """One layer's injection. h: [n, B, H]; gate_weight: [H, H + r]; gate_bias: [H];
+    out_weight: [H, r]. Returns (h_out [n, B, H] in h's dtype, scores [n, B, V]).
+
+    Invariant: h_out[:, 0] == h[:, 0] (nothing precedes the anchor).
+    """
+    t, scores = transfer_features_reference(h, score_weight, table, anchor_ids, top_k)
+    return inject_features_reference(h, t, gate_weight, gate_bias, out_weight), scores
+
+
+# ------------------------------------------------------------------------------------------ Triton
+# Kernels are handed to triton.jit at the first launch, not at import: the module then imports
+# without Triton, and TRITON_INTERPRET set after `dspine` was imported (the CPU tests) still applies.
+_JIT_NAMES: list[str] = []
+
+
+def _jit(fn):
+    _JIT_NAMES.append(fn.__name__)
+    return fn
+
+
+@functools.cache
+def _jit_kernels() -> None:
+    import triton
+    import triton.language
+
+    g = globals()
+    g["tl"] = triton.language
+    for name in _JIT_NAMES:
+        g[name] = triton.jit(g[name])
+
+
+# Packed keys: (order-preserving int32 of the fp32 score) << 32 | vocabulary index. Real keys lie
+# above -2^63 + 2^54 (the most negative float), so the kernels use three literal sentinels:
+# -(2^63 - 1) for masked entries, -(2^63 - 2) + slot for the running top-k's empty slots (distinct,
+# below any real key) and 2^63 - 1 for the padding slots >= k (never the minimum, never replaced).
+@_jit
+def _pack_keys(b_s, b_idx):
+    b_bits = b_s.to(tl.int32, bitcast=True)
+    b_ord = tl.where(b_bits < 0, b_bits ^ 0x7FFFFFFF, b_bits)
+    return (b_ord.to(tl.int64) << 32) | b_idx.to(tl.int64)
+
+
+@_jit
+def _unpack_keys(b_key):
+    b_hi = b_key >> 32
+    b_ord = b_hi.to(tl.int32)
+    b_bits = tl.where(b_ord < 0, b_ord ^ 0x7FFFFFFF, b_ord)
+    return b_bits.to(tl.float32, bitcast=True), (b_key - (b_hi << 32)).to(tl.int32)
+
+
+@_jit
+def _insert_round(b_top, b_key, b_min, b_max):
+    """Rows whose best remaining candidate beats their k-th key swap it in; it leaves the tile."""
+    b_ins = b_max > b_min
+    b_top = tl.where((b_top == b_min[:, None]) & b_ins[:, None], b_max[:, None], b_top)
+    b_key = tl.where(b_key == b_max[:, None], -9223372036854775807, b_key)
+    return b_top, b_key, tl.min(b_top, axis=1), tl.max(b_key, axis=1)
+
+
+@_jit
+def _insert_rows(b_top, b_key, EARLY_EXIT: tl.constexpr, K: tl.constexpr):
+    """Merge candidate keys b_key [R, C] into the running top-k b_top [R, KP], row by row: at most
+    K rounds (EARLY_EXIT: only while some row still has a candidate above its k-th key)."""
+    b_min = tl.min(b_top, axis=1)                                  # [R] current k-th key
+    b_max = tl.max(b_key, axis=1)                                  # [R] best remaining candidate
+    if EARLY_EXIT:
+        while tl.max((b_max > b_min).to(tl.int32), axis=0) > 0:
+            b_top, b_key, b_min, b_max = _insert_round(b_top, b_key, b_min, b_max)
+    else:
+        for _ in tl.static_range(K):
+            b_top, b_key, b_min, b_max = _insert_round(b_top, b_key, b_min, b_max)
+    return b_top
+
+
+@_jit
+def _dot(b_a, b_b, b_acc, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    """b_a [M, K] · b_b [K, N] + b_acc, fp32. The interpreter (Triton 3.9) multiplies bf16 tiles as
+    their raw uint16 bits: there, upcast first (exact, so the CPU tests still check bf16 math)."""
+    if INTERPRET:
+        b_a, b_b = b_a.to(tl.float32), b_b.to(tl.float32)
+    return tl.dot(b_a, b_b, b_acc, input_precision=DOT_PRECISION)
+
+
+@_jit
+def _empty_top(BLOCK_M: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
+    o_k = tl.arange(0, KP)
+    b_top = tl.where(o_k < K, -9223372036854775806 + o_k.to(tl.int64), 9223372036854775807)  # [KP]
+    return tl.zeros([BLOCK_M, KP], dtype=tl.int64) + b_top[None, :]
+
+
+@_jit
+def transfer_topk_fwd_kernel(
+    q,  # [n * B, R] query rows h W_sᵀ
+    table,  # [V, R]
+    part,  # [S, M, KP] int64 packed partial top-k keys of each V-chunk
+    M,  # n * (B - 2) scored rows
+    V,
+    CHUNK,  # vocabulary rows per program, a multiple of BLOCK_V
+    B: tl.constexpr,
+    R: tl.constexpr,
+    RP: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    EARLY_EXIT: tl.constexpr,
+    TOPK: tl.constexpr,  # False: keep only the running max (a timing variant, wrong for k > 1)
+    DOT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    i_m, i_s = tl.program_id(0), tl.program_id(1)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_r = tl.arange(0, RP)
+    m_m, m_r = o_m < M, o_r < R
+    o_row = (o_m // (B - 2)) * B + o_m % (B - 2) + 1                # positions 1..B-2 of each block
+    b_q = tl.load(q + o_row[:, None] * R + o_r[None, :], mask=m_m[:, None] & m_r[None, :], other=0.0)  # [BLOCK_M, RP]
+
+    b_top = _empty_top(BLOCK_M, K, KP)                              # [BLOCK_M, KP]
+    v_lo = i_s * CHUNK
+    v_hi = tl.minimum(v_lo + CHUNK, V)
+    o_v = v_lo + tl.arange(0, BLOCK_V)
+    b_u = tl.load(table + o_v[:, None] * R + o_r[None, :], mask=(o_v < v_hi)[:, None] & m_r[None, :], other=0.0)
+    for v0 in range(0, CHUNK, BLOCK_V):                             # the last chunk's tail is masked
+        o_v = v_lo + v0 + tl.arange(0, BLOCK_V)
+        b_s = _dot(b_q, tl.trans(b_u), tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32), DOT_PRECISION,
+                   INTERPRET)                                       # [BLOCK_M, BLOCK_V] fp32 scores
+        # Prefetch the next [BLOCK_V, RP] tile of U: its latency hides behind the insertion below.
+        o_nxt = o_v + BLOCK_V
+        b_u = tl.load(table + o_nxt[:, None] * R + o_r[None, :], mask=(o_nxt < v_hi)[:, None] & m_r[None, :],
+                      other=0.0)
+        m_key = m_m[:, None] & (o_v < v_hi)[None, :]                # padding rows and columns never enter
+        b_key = tl.where(m_key, _pack_keys(b_s, o_v[None, :]), -9223372036854775807)  # [BLOCK_M, BLOCK_V]
+        if TOPK:
+            b_top = _insert_rows(b_top, b_key, EARLY_EXIT, K)
+        else:
+            b_top = tl.maximum(b_top, tl.max(b_key, axis=1)[:, None])
+    o_k = tl.arange(0, KP)
+    tl.store(part + (i_s * M + o_m[:, None]) * KP + o_k[None, :], b_top, mask=m_m[:, None])
+
+
+@_jit
+def transfer_merge_fwd_kernel(
+    part,  # [S, M, KP] int64 partial top-k keys
+    table,  # [V, R]
+    anchor_ids,  # [n]
+    t,  # [n, B - 1, R] fp32 features of the positions that have a successor
+    M,
+    S,
+    B: tl.constexpr,
+    R: tl.constexpr,
+    RP: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # chunks merged per step
+):
+    i_p = tl.program_id(0)                                          # = blk * (B - 1) + pos
+    i_b, i_pos = i_p // (B - 1), i_p % (B - 1)
+    o_r = tl.arange(0, RP)
+    m_r = o_r < R
+    if i_pos == 0:
+        i_anchor = tl.load(anchor_ids + i_b).to(tl.int64)
+        b_t = tl.load(table + i_anchor * R + o_r, mask=m_r, other=0.0).to(tl.float32)  # [RP]
+    else:
+        i_m = i_b * (B - 2) + i_pos - 1
+        o_s = tl.arange(0, BLOCK_S)
+        o_k = tl.arange(0, KP)
+        b_top = _empty_top(1, K, KP)                                # [1, KP]
+        for s0 in range(0, S, BLOCK_S):
+            m_c = ((s0 + o_s)[:, None] < S) & (o_k[None, :] < K)
+            b_key = tl.load(part + ((s0 + o_s)[:, None] * M + i_m) * KP + o_k[None, :], mask=m_c,
+                            other=-9223372036854775807)             # [BLOCK_S, KP]
+            b_key = tl.where(b_key > -9223372036854775807 + KP, b_key, -9223372036854775807)  # drop empty slots
+            b_top = _insert_rows(b_top, tl.reshape(b_key, [1, BLOCK_S * KP]), True, K)
+        b_val, b_idx = _unpack_keys(tl.reshape(b_top, [KP]))         # [KP]
+        m_k = o_k < K
+        b_val = tl.where(m_k, b_val, float("-inf"))
+        b_w = tl.exp(b_val - tl.max(b_val, axis=0))
+        b_w = b_w / tl.sum(b_w, axis=0)                             # [KP] softmax weights
+        b_u = tl.load(table + b_idx.to(tl.int64)[:, None] * R + o_r[None, :], mask=m_k[:, None] & m_r[None, :],
+                      other=0.0).to(tl.float32)                     # [KP, RP]
+        b_t = tl.sum(b_w[:, None] * b_u, axis=0)                    # [RP]
+    tl.store(t + i_p * R + o_r, b_t, mask=m_r)
+
+
+@_jit
+def injection_gate_fwd_kernel(
+    h,  # [n * B, H]
+    t,  # [n, B - 1, R] fp32
+    gate_w,  # [H, H + R]
+    gate_b,  # [H]
+    out_w,  # [H, R]
+    out,  # [n * B, H]
+    M,  # n * B
+    H,
+    B: tl.constexpr,
+    R: tl.constexpr,
+    RP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_m, m_n = o_m < M, o_n < H
+    i_pos = o_m % B
+    m_live = m_m & (i_pos > 0)                                      # positions that receive a feature
+    o_m64 = o_m.to(tl.int64)
+
+    b_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)            # G_h h_{i+1}
+    for k0 in range(0, H, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < H
+        # [BLOCK_M, BLOCK_K] hidden states, [BLOCK_N, BLOCK_K] rows of G (contiguous: G is [H, H + R])
+        b_x = tl.load(h + o_m64[:, None] * H + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(gate_w + o_n[:, None] * (H + R) + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+        b_g = _dot(b_x, tl.trans(b_w), b_g, DOT_PRECISION, INTERPRET)
+    o_r = tl.arange(0, RP)
+    m_r = o_r < R
+    o_t = (o_m // B) * (B - 1) + i_pos - 1                          # t of the previous position
+    b_t = tl.load(t + o_t[:, None] * R + o_r[None, :], mask=m_live[:, None] & m_r[None, :], other=0.0)
+    b_t = b_t.to(h.dtype.element_ty)                                # [BLOCK_M, RP], as the reference casts
+    m_nr = m_n[:, None] & m_r[None, :]
+    b_wt = tl.load(gate_w + o_n[:, None] * (H + R) + H + o_r[None, :], mask=m_nr, other=0.0)  # [BLOCK_N, RP]
+    b_g = _dot(b_t, tl.trans(b_wt), b_g, DOT_PRECISION, INTERPRET)
+    b_wo = tl.load(out_w + o_n[:, None] * R + o_r[None, :], mask=m_nr, other=0.0)  # [BLOCK_N, RP]
+    b_o = _dot(b_t, tl.trans(b_wo), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PRECISION, INTERPRET)
+    b_bias = tl.load(gate_b + o_n, mask=m_n, other=0.0).to(tl.float32)
+    b_gate = tl.sigmoid(b_g + b_bias[None, :])
+    m_out = m_m[:, None] & m_n[None, :]
+    b_h = tl.load(h + o_m64[:, None] * H + o_n[None, :], mask=m_out, other=0.0).to(tl.float32)
+    b_out = b_h + tl.where(m_live[:, None], b_gate * b_o, 0.0)
+    tl.store(out + o_m64[:, None] * H + o_n[None, :], b_out.to(out.dtype.element_ty), mask=m_out)
+
+
+@dataclass(frozen=True)
+class InjectionBlocks:
+    """Launch configuration of the fused path (the benchmark sweeps it; defaults from `blocks_for`).
+
+    block_m/block_v/warps/stages: the split-V top-k kernel; programs_per_sm: how many V-chunk
+    programs to aim for per multiprocessor; early_exit: data-dependent insertion rounds (False:
+    always k rounds); gate_*: the gate kernel. topk=False is a timing variant only (running max
+    instead of top-k: wrong output)."""
+
+    block_m: int = 16
+    block_v: int = 64
+    warps: int = 4
+    stages: int = 3
+    programs_per_sm: int = 3
+    early_exit: bool = True
+    gate_block_m: int = 16
+    gate_block_n: int = 32
+    gate_block_k: int = 128
+    gate_warps: int = 4
+    gate_stages: int = 4
+    topk: bool = True
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: few programs keep the CPU tests quick
+
+
+def blocks_for(n: int, block_size: int) -> InjectionBlocks:
+    """Default launch configuration for n blocks of `block_size` positions."""
+    rows, gate_rows = n * (block_size - 2), n * block_size
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    gate_block_m = 16 if gate_rows <= 16 else 32 if gate_rows <= 32 else 64
+    return InjectionBlocks(block_m=block_m, gate_block_m=gate_block_m, gate_block_n=32 if gate_rows <= 64 else 64)
+
+
+def _precision(dtype: torch.dtype) -> str | None:
+    return "ieee" if dtype == torch.float32 else None  # fp32 tests compare exactly: no tf32
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def transfer_features(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids: Tensor, top_k: int,
+                      blocks: InjectionBlocks | None = None, out: Tensor | None = None) -> Tensor:
+    """Fused `transfer_features_reference` without the [n, B, V] scores: t [n, B-1, r] fp32 for the
+    positions that have a successor (t[:, 0] = U[anchor]); written into `out` when given. Scores
+    of the anchor and the last position are never computed."""
+    n, blk, hidden = h.shape
+    vocab, rank = table.shape
+    assert blk >= 2 and 1 <= top_k <= vocab and score_weight.shape == (rank, hidden)
+    assert table.is_contiguous() and anchor_ids.shape == (n,)
+    _jit_kernels()
+    rows = n * (blk - 2)
+    blocks = blocks or blocks_for(n, blk)
+    rp, kp = max(16, _next_pow2(rank)), max(2, _next_pow2(top_k))
+    t = torch.empty(n, blk - 1, rank, dtype=torch.float32, device=h.device) if out is None else out
+    assert t.shape == (n, blk - 1, rank) and t.dtype == torch.float32 and t.is_contiguous()
+    anchor_ids = anchor_ids.contiguous()
+    if rows > 0:
+        q = (h @ score_weight.T).contiguous()                       # [n, B, r], the reference's own op
+        assert q.dtype == table.dtype, "h, score_weight and table must share a dtype"
+        m_tiles = _cdiv(rows, blocks.block_m)
+        chunks = max(1, blocks.programs_per_sm * _multiprocessors(h.device) // m_tiles)  # V-chunks wanted
+        chunk = _cdiv(_cdiv(vocab, chunks), blocks.block_v) * blocks.block_v
+        splits = _cdiv(vocab, chunk)
+        part = torch.empty(splits, rows, kp, dtype=torch.int64, device=h.device)
+        transfer_topk_fwd_kernel[(m_tiles, splits)](
+            q, table, part, rows, vocab, chunk, B=blk, R=rank, RP=rp, K=top_k, KP=kp, BLOCK_M=blocks.block_m,
+            BLOCK_V=blocks.block_v, EARLY_EXIT=blocks.early_exit, TOPK=blocks.topk,
+            DOT_PRECISION=_precision(table.dtype), INTERPRET=_interpret(), num_warps=blocks.warps,
+            num_stages=blocks.stages)
+    else:
+        splits, part = 1, torch.empty(1, 1, kp, dtype=torch.int64, device=h.device)
+    block_s = max(1, min(_next_pow2(splits), 4096 // kp))
+    transfer_merge_fwd_kernel[(n * (blk - 1),)](part, table, anchor_ids, t, max(rows, 1), splits, B=blk, R=rank,
+                                                RP=rp, K=top_k, KP=kp, BLOCK_S=block_s, num_warps=8)
+    return t
+
+
+def inject_features(h: Tensor, t: Tensor, gate_weight: Tensor, gate_bias: Tensor, out_weight: Tensor,
+                    blocks: InjectionBlocks | None = None, out: Tensor | None = None) -> Tensor:
+    """Fused `inject_features_reference`: h [n, B, H], t [n, B-1, r] fp32 -> h_out [n, B, H]
+    (written into `out` when given)."""
+    n, blk, hidden = h.shape
+    rank = t.shape[-1]
+    assert t.shape == (n, blk - 1, rank) and t.dtype == torch.float32 and t.is_contiguous()
+    assert gate_weight.shape == (hidden, hidden + rank) and out_weight.shape == (hidden, rank)
+    assert gate_weight.dtype == out_weight.dtype == h.dtype, "gate/out weights must share h's dtype"
+    _jit_kernels()
+    h, gate_weight, gate_bias, out_weight = (x.contiguous() for x in (h, gate_weight, gate_bias, out_weight))
+    blocks = blocks or blocks_for(n, blk)
+    out = torch.empty_like(h) if out is None else out
+    assert out.shape == h.shape and out.dtype == h.dtype and out.is_contiguous()
+    rows = n * blk
+    grid = (_cdiv(rows, blocks.gate_block_m), _cdiv(hidden, blocks.gate_block_n))
+    injection_gate_fwd_kernel[grid](h, t, gate_weight, gate_bias, out_weight, out, rows, hidden, B=blk, R=rank,
+                                    RP=max(16, _next_pow2(rank)), BLOCK_M=blocks.gate_block_m,
+                                    BLOCK_N=blocks.gate_block_n, BLOCK_K=blocks.gate_block_k,
+                                    DOT_PRECISION=_precision(h.dtype), INTERPRET=_interpret(),
+                                    num_warps=blocks.gate_warps, num_stages=blocks.gate_stages)
+    return out
+
+
+def adjacent_injection(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids: Tensor, gate_weight: Tensor,
+                       gate_bias: Tensor, out_weight: Tensor, top_k: int,
+                       blocks: InjectionBlocks | None = None, out: Tensor | None = None) -> Tensor:
+    """Fused `adjacent_injection_reference` without the scores: h_out [n, B, H] in h's dtype.
+
+    h: [n, B, H]; score_weight: [r, H]; table: [V, r] contiguous; anchor_ids: [n]; gate_weight:
+    [H, H + r]; gate_bias: [H]; out_weight: [H, r]; all in one dtype (bf16 or fp32), on one
+    device. `out` ([n, B, H], optional) receives the result; `blocks` overrides the launch config.
+    """
+    t = transfer_features(h, score_weight, table, anchor_ids, top_k, blocks)
+    return inject_features(h, t, gate_weight, gate_bias, out_weight, blocks, out)

@@ -1,0 +1,74 @@
+"""Train the DSpine drafter and its DFlash-style ablation with the same data, steps and seed.
+
+The step count is what the DSpine drafter reaches in `--dspine-seconds` (measured with a short
+probe run), so one device call of at most 10 minutes can hold a training run; the ablation then
+trains for exactly as many steps in a later call. Each phase copies its log and, when done, its
+exported checkpoint to `--out-dir`.
+
+  python scripts/train_pair.py probe-and-train-dspine --data D --work W --out-dir O --dspine-seconds 300
+  python scripts/train_pair.py train-ablation --data D --work W --out-dir O
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dspine.train.trainer import TrainConfig, train
+
+CONFIGS = {"dspine": "configs/train/smollm2-dspine.yaml", "ablation": "configs/train/smollm2-ablation.yaml"}
+
+
+def _run(name: str, args, steps: int, **overrides) -> Path | None:
+    cfg = TrainConfig.from_yaml(CONFIGS[name], data=args.data, run_dir=str(Path(args.work) / name), steps=steps,
+                                **overrides)
+    t0 = time.perf_counter()
+    export = train(cfg, device="cuda", time_limit_s=args.time_limit, progress=False)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log = json.loads((Path(cfg.run_dir) / "log.json").read_text())
+    (out / f"train_log_{name}.json").write_text(json.dumps({"config": vars(cfg), "wall_seconds": time.perf_counter() - t0,
+                                                             "log": log}, indent=1))
+    if export is not None and name == "dspine":  # only the shipped drafter comes back; the ablation stays out of git
+        dest = out / f"ckpt_{name}"
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(export, dest)
+    return export
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("phase", choices=["probe-and-train-dspine", "train-ablation"])
+    p.add_argument("--data", required=True)
+    p.add_argument("--work", required=True)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--dspine-seconds", type=float, default=300)
+    p.add_argument("--max-steps", type=int, default=3000)
+    p.add_argument("--time-limit", type=float, default=None, help="hard stop (s); the run resumes when re-run")
+    args = p.parse_args()
+    steps_file = Path(args.work) / "steps.json"
+    if args.phase == "probe-and-train-dspine":
+        probe = TrainConfig.from_yaml(CONFIGS["dspine"], data=args.data, run_dir=str(Path(args.work) / "probe"),
+                                      steps=25, log_every=5, eval_every=1000, save_every=1000)
+        train(probe, device="cuda", progress=False)
+        log = json.loads((Path(probe.run_dir) / "log.json").read_text())
+        step_s = sorted(e["step_seconds"] for e in log[1:])[len(log[1:]) // 2]
+        steps = int(min(args.max_steps, args.dspine_seconds / (step_s * 1.12)))  # 12%: held-out evals, saves
+        steps_file.write_text(json.dumps({"steps": steps, "probe_step_seconds": step_s}))
+        print(f"probe: {step_s:.3f} s/step -> {steps} steps", flush=True)
+        torch.cuda.empty_cache()
+        _run("dspine", args, steps)
+    else:
+        steps = json.loads(steps_file.read_text())["steps"]
+        _run("ablation", args, steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

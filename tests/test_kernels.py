@@ -1,0 +1,222 @@
+"""Injection and selection kernels vs their PyTorch references.
+
+CPU: the Triton interpreter at small shapes (TRITON_INTERPRET=1, set here before any kernel is
+built). GPU host, full shapes: `TRITON_INTERPRET=0 pytest -m gpu tests/test_kernels.py`.
+Outputs are pre-filled with NaN (-1 for indices) so an unwritten element fails.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is built
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dspine.config import DSpineConfig  # noqa: E402
+from dspine.drafter import DSpineDraftModel  # noqa: E402
+from dspine.kernels.adjacent_injection import (  # noqa: E402
+    adjacent_injection,
+    adjacent_injection_reference,
+    inject_features_reference,
+    transfer_features,
+    transfer_features_reference,
+)
+from dspine.kernels.transition_select import transition_path, transition_path_reference  # noqa: E402
+from dspine.transition import TransitionScorer, select_tokens  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Relative-norm tolerance of the injected hidden states. bf16: the kernel rounds once where the
+# reference rounds after every op (the interpreter also truncates instead of rounding to nearest).
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
+                         reason="needs CUDA and compiled Triton (TRITON_INTERPRET=0)")
+interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+
+
+def _injection_inputs(n, blk, hidden, vocab, rank, dtype, device="cpu", seed=0):
+    """Random weights scaled so scores are O(1): top-k near-ties are improbable."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    return dict(h=rnd(n, blk, hidden), score_weight=rnd(rank, hidden, scale=hidden**-0.5), table=rnd(vocab, rank),
+                anchor_ids=torch.randint(0, vocab, (n,), generator=g).to(device),
+                gate_weight=rnd(hidden, hidden + rank, scale=(hidden + rank) ** -0.5), gate_bias=rnd(hidden),
+                out_weight=rnd(hidden, rank, scale=rank**-0.5))
+
+
+def _oracle(x: dict, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference with fp32 scores (t [n, B, r], h_out): q by the reference's own op, then
+    q·Uᵀ in fp32. For fp32 inputs this is the reference itself; in bf16 the reference rounds its
+    scores to bf16 before the top-k, which only reorders near-ties."""
+    q = (x["h"] @ x["score_weight"].T).float()
+    eye = torch.eye(q.shape[-1], device=q.device)
+    t, _ = transfer_features_reference(q, eye, x["table"].float(), x["anchor_ids"], top_k)
+    return t, inject_features_reference(x["h"], t, x["gate_weight"], x["gate_bias"], x["out_weight"])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _check_injection(n, blk, hidden, vocab, rank, top_k, dtype, device="cpu", seed=0):
+    x = _injection_inputs(n, blk, hidden, vocab, rank, dtype, device, seed)
+    t = torch.full((n, blk - 1, rank), float("nan"), device=device)
+    transfer_features(x["h"], x["score_weight"], x["table"], x["anchor_ids"], top_k, out=t)
+    out = torch.full_like(x["h"], float("nan"))
+    adjacent_injection(*x.values(), top_k, out=out)
+    t_ref, h_ref = _oracle(x, top_k)
+    assert not t.isnan().any() and not out.isnan().any()
+    torch.testing.assert_close(t, t_ref[:, :-1], rtol=1e-5, atol=1e-5)
+    assert _rel(out, h_ref) < TOL[dtype]
+    assert torch.equal(out[:, 0], x["h"][:, 0])
+    if dtype == torch.float32:  # the reference itself, unmodified
+        ref, _ = adjacent_injection_reference(*x.values(), top_k)
+        assert _rel(out, ref) < TOL[dtype]
+
+
+@interpreted
+@pytest.mark.parametrize("n, blk, hidden, vocab, rank, top_k, dtype", [
+    (1, 16, 32, 500, 32, 8, torch.float32),
+    (3, 8, 48, 1200, 32, 4, torch.float32),
+    (2, 16, 64, 3000, 64, 16, torch.bfloat16),
+    (4, 8, 32, 2000, 24, 5, torch.bfloat16),
+    (2, 2, 32, 500, 32, 4, torch.float32),  # anchor only: nothing scored
+    (3, 3, 32, 700, 16, 8, torch.bfloat16),
+])
+def test_adjacent_injection_matches_reference(n, blk, hidden, vocab, rank, top_k, dtype):
+    _check_injection(n, blk, hidden, vocab, rank, top_k, dtype)
+
+
+def _selection_inputs(bs, n, k, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    unary = torch.randn(bs, n, k, generator=g) * 2
+    pair = torch.randn(bs, n, k, k, generator=g)
+    temperature = torch.tensor([0.0, 0.7, 1.3, -1.0])[torch.arange(bs) % 4]  # greedy and sampled rows
+    uniforms = torch.rand(bs, n, generator=g)
+    return [x.to(device) for x in (unary, pair, temperature, uniforms)]
+
+
+def _check_selection(bs, n, k, lam, device="cpu", seed=0):
+    unary, pair, temperature, uniforms = _selection_inputs(bs, n, k, device, seed)
+    choice = torch.full((bs, n), -1, dtype=torch.long, device=device)
+    q = torch.full((bs, n, k), float("nan"), device=device)
+    transition_path(unary, pair, lam, temperature, uniforms, out=(choice, q))
+    choice_ref, q_ref = transition_path_reference(unary, pair, lam, temperature, uniforms)
+    assert torch.equal(choice, choice_ref)
+    torch.testing.assert_close(q, q_ref, rtol=0, atol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("bs, n, k, lam", [(1, 15, 8, 1.0), (4, 15, 8, 0.5), (3, 7, 5, 2.0), (2, 1, 4, 1.0),
+                                           (4, 15, 16, 0.0)])
+def test_transition_path_matches_reference(bs, n, k, lam):
+    _check_selection(bs, n, k, lam)
+
+
+def _tiny_drafter(seed=0):
+    torch.manual_seed(seed)
+    cfg = DSpineConfig(hidden_size=64, vocab_size=640, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=128, num_target_layers=8, mask_token_id=3, num_hidden_layers=2,
+                       layer_loss_weights=[0.5, 0.4], block_size=8, transfer_rank=32, injection_top_k=4,
+                       selection_top_k=4, sliding_window=64)
+    model = DSpineDraftModel(cfg).eval()
+    with torch.no_grad():  # spread the transfer scores: larger P and W_s than the training init
+        model.transfer.proj.weight.normal_(std=0.5)
+        model.transition.weight.normal_(std=0.1)
+        for inj in model.injections:
+            inj.score_proj.weight.normal_(std=0.5)
+    model.attach_target(torch.randn(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size))
+    return model
+
+
+@torch.no_grad()
+def _draft(model, bs=2, ctx=12, seed=1):
+    """One block per row from a random context: (hidden [bs, B, H], Selection)."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    target_hidden = torch.randn(bs, ctx, cfg.num_context_features * cfg.hidden_size, generator=g)
+    positions = torch.arange(ctx)[None].expand(bs, -1)
+    kv = model.context_key_values(model.project_context(target_hidden), positions)
+    anchors = torch.randint(0, cfg.vocab_size, (bs,), generator=g)
+    blk_pos = ctx + torch.arange(cfg.block_size)[None].expand(bs, -1)
+    mask = torch.ones(bs, cfg.block_size, ctx + cfg.block_size, dtype=torch.bool)
+    hidden = model(anchors[:, None], blk_pos, kv, mask).hidden
+    logits = model.logits(hidden[:, 1:])
+    sel = select_tokens(logits, anchors, torch.tensor([0.0, 0.8])[torch.arange(bs) % 2], mode="transition",
+                        top_k=cfg.selection_top_k, lam=cfg.transition_lambda, scorer=model.transition,
+                        table=model.transfer_table(), generator=torch.Generator().manual_seed(seed))
+    return hidden, sel
+
+
+@interpreted
+def test_drafter_triton_path_matches_torch_path(monkeypatch):
+    model = _tiny_drafter()
+    monkeypatch.setenv("DSPINE_KERNELS", "torch")
+    hidden_ref, sel_ref = _draft(model)
+    # The injection module on its own, fused path (need_scores=False) vs reference path.
+    x = torch.randn(3, model.config.block_size, model.config.hidden_size)
+    anchors = torch.randint(0, model.config.vocab_size, (3,))
+    inj_ref, _ = model.injections[0](x, model.transfer_table(), anchors, need_scores=False)
+    monkeypatch.setenv("DSPINE_KERNELS", "triton")
+    inj, scores = model.injections[0](x, model.transfer_table(), anchors, need_scores=False)
+    assert scores is None
+    torch.testing.assert_close(inj, inj_ref, rtol=1e-5, atol=1e-5)
+    hidden, sel = _draft(model)
+    torch.testing.assert_close(hidden, hidden_ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(sel.tokens, sel_ref.tokens) and torch.equal(sel.choice, sel_ref.choice)
+    torch.testing.assert_close(sel.q, sel_ref.q, rtol=0, atol=1e-5)
+
+
+@interpreted
+def test_select_tokens_triton_matches_torch(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    bs, n, vocab, rank = 4, 7, 300, 16
+    logits = torch.randn(bs, n, vocab, generator=g) * 3
+    table = torch.randn(vocab, rank, generator=g)
+    scorer = TransitionScorer(rank)
+    with torch.no_grad():
+        scorer.weight.normal_(std=0.3, generator=g)
+    anchors = torch.randint(0, vocab, (bs,), generator=g)
+    temperature = torch.tensor([0.0, 0.9, 0.0, 1.5])
+    picks = {}
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("DSPINE_KERNELS", mode)
+        picks[mode] = select_tokens(logits, anchors, temperature, mode="transition", top_k=8, lam=1.0, scorer=scorer,
+                                    table=table, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(picks["torch"].tokens, picks["triton"].tokens)
+    torch.testing.assert_close(picks["triton"].q, picks["torch"].q, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ GPU, full shapes
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n, hidden, vocab, top_k", [
+    (1, 4096, 151936, 8),     # Qwen3-8B, bs 1
+    (32, 4096, 151936, 8),
+    (64, 576, 49152, 16),     # SmolLM2, bs 64
+    (8, 5120, 152064, 4),     # Qwen3-32B-like
+])
+def test_adjacent_injection_gpu(n, hidden, vocab, top_k):
+    x = _injection_inputs(n, 16, hidden, vocab, 256, torch.bfloat16, device="cuda", seed=n)
+    out = torch.full_like(x["h"], float("nan"))
+    adjacent_injection(*x.values(), top_k, out=out)
+    t = transfer_features(x["h"], x["score_weight"], x["table"], x["anchor_ids"], top_k)
+    t_ref, h_ref = _oracle(x, top_k)
+    assert not out.isnan().any()
+    # Rows whose k-th and (k+1)-th fp32 scores differ by less than the accumulation-order error
+    # may legitimately pick another candidate: allow a handful out of n·14.
+    bad = ((t - t_ref[:, :-1]).abs().amax(-1) > 1e-3).sum().item()
+    assert bad <= max(1, n * 14 // 100), f"{bad} rows differ"
+    assert _rel(out, h_ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("bs, k", [(1, 8), (64, 8), (32, 16)])
+def test_transition_path_gpu(bs, k):
+    _check_selection(bs, 15, k, 1.0, device="cuda", seed=bs)
