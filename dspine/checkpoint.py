@@ -90,7 +90,8 @@ def save_checkpoint(model: DSpineDraftModel, path: str | os.PathLike, *, dtype: 
 
 
 def hf_config(cfg: DSpineConfig, dtype_name: str, extra: dict | None = None) -> dict:
-    """config.json contents: Qwen3-style shape keys (for transformers/SGLang) + `dspine_config`."""
+    """config.json contents: Qwen3-style shape keys (for transformers/SGLang), the `dflash_config`
+    mirror SGLang reads, and `dspine_config` (the source of truth)."""
     data = {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
@@ -107,10 +108,18 @@ def hf_config(cfg: DSpineConfig, dtype_name: str, extra: dict | None = None) -> 
         "tie_word_embeddings": False,
         "torch_dtype": dtype_name,
         "block_size": cfg.block_size,
+        "dflash_config": dflash_config_for(cfg),
         "dspine_config": cfg.to_dict(),
     }
     data.update(extra or {})
     return data
+
+
+def dflash_config_for(cfg: DSpineConfig) -> dict:
+    """The `dflash_config` mirror SGLang's DFlash machinery reads (target-layer capture, `fc` width,
+    mask id, block size); `dspine_config` stays the source of truth."""
+    return {"block_size": cfg.block_size, "target_layer_ids": list(cfg.target_layer_ids),
+            "num_target_layers": cfg.num_target_layers, "mask_token_id": cfg.mask_token_id}
 
 
 def _split(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:

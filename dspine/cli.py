@@ -60,7 +60,8 @@ def cmd_generate(args) -> int:
     from dspine.engine import generate
     from dspine.targets import load_target, stop_token_ids
 
-    torch.set_num_threads(args.threads) if args.threads else None
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = _torch_dtype(args.dtype)
     target, tokenizer = load_target(args.target, dtype=dtype, device=args.device)
     drafter_spec = args.drafter

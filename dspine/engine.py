@@ -20,7 +20,7 @@ from torch import Tensor
 from dspine.acceptance import SamplingParams, accept_tokens, warp_probs
 from dspine.drafter import DSpineDraftModel
 from dspine.proposer import DSpineProposer, Proposal, Proposer
-from dspine.target_runner import TransformersTargetRunner
+from dspine.target_runner import TransformersTargetRunner, make_target_runner
 
 VerifyBudget = Callable[[Proposal], Tensor]
 """Dynamic verification hook: a proposal -> verify lengths [bs] in 0..N."""
@@ -108,7 +108,7 @@ def _generate_batch(target, proposer: Proposer | None, prompts: list[list[int]],
                     device, generator: torch.Generator, params: SamplingParams, verify_budget: VerifyBudget | None,
                     stats: GenerationStats) -> list[list[int]]:
     layer_ids = proposer.layer_ids if proposer is not None else []
-    runner = TransformersTargetRunner(target, layer_ids)
+    runner = make_target_runner(target, layer_ids)
     t0 = time.perf_counter()
     step = runner.prefill(prompts)
     last = runner.lengths - 1

@@ -96,3 +96,13 @@ class TransformersTargetRunner:
         for layer in self.cache.layers:
             layer.keys = gather_slots(layer.keys, index, dim=2)
             layer.values = gather_slots(layer.values, index, dim=2)
+
+
+def make_target_runner(model, layer_ids: list[int]):
+    """The runner for `model`: hybrid Gated-DeltaNet targets (config `layer_types` with
+    "linear_attention") verify with ReplaySSM; every other causal LM uses the KV-cache runner."""
+    if "linear_attention" in (getattr(model.config, "layer_types", None) or ()):
+        from dspine.hybrid_target import HybridTargetRunner
+
+        return HybridTargetRunner(model, layer_ids)
+    return TransformersTargetRunner(model, layer_ids)

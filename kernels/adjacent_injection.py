@@ -51,6 +51,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dspine.kernels.lazy_jit import LazyJit
+
 
 def transfer_features_reference(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids: Tensor,
                                 top_k: int) -> tuple[Tensor, Tensor]:
@@ -90,39 +92,22 @@ def adjacent_injection_reference(h: Tensor, score_weight: Tensor, table: Tensor,
 
 
 # ------------------------------------------------------------------------------------------ Triton
-# Kernels are handed to triton.jit at the first launch, not at import: the module then imports
-# without Triton, and TRITON_INTERPRET set after `dspine` was imported (the CPU tests) still applies.
-_JIT_NAMES: list[str] = []
-
-
-def _jit(fn):
-    _JIT_NAMES.append(fn.__name__)
-    return fn
-
-
-@functools.cache
-def _jit_kernels() -> None:
-    import triton
-    import triton.language
-
-    g = globals()
-    g["tl"] = triton.language
-    for name in _JIT_NAMES:
-        g[name] = triton.jit(g[name])
+# Handed to triton.jit at the first launch (kernels/lazy_jit.py).
+_kernels = LazyJit(globals())
 
 
 # Packed keys: (order-preserving int32 of the fp32 score) << 32 | vocabulary index. Real keys lie
 # above -2^63 + 2^54 (the most negative float), so the kernels use three literal sentinels:
 # -(2^63 - 1) for masked entries, -(2^63 - 2) + slot for the running top-k's empty slots (distinct,
 # below any real key) and 2^63 - 1 for the padding slots >= k (never the minimum, never replaced).
-@_jit
+@_kernels.jit
 def _pack_keys(b_s, b_idx):
     b_bits = b_s.to(tl.int32, bitcast=True)
     b_ord = tl.where(b_bits < 0, b_bits ^ 0x7FFFFFFF, b_bits)
     return (b_ord.to(tl.int64) << 32) | b_idx.to(tl.int64)
 
 
-@_jit
+@_kernels.jit
 def _unpack_keys(b_key):
     b_hi = b_key >> 32
     b_ord = b_hi.to(tl.int32)
@@ -130,7 +115,7 @@ def _unpack_keys(b_key):
     return b_bits.to(tl.float32, bitcast=True), (b_key - (b_hi << 32)).to(tl.int32)
 
 
-@_jit
+@_kernels.jit
 def _insert_round(b_top, b_key, b_min, b_max):
     """Rows whose best remaining candidate beats their k-th key swap it in; it leaves the tile."""
     b_ins = b_max > b_min
@@ -139,7 +124,7 @@ def _insert_round(b_top, b_key, b_min, b_max):
     return b_top, b_key, tl.min(b_top, axis=1), tl.max(b_key, axis=1)
 
 
-@_jit
+@_kernels.jit
 def _insert_rows(b_top, b_key, EARLY_EXIT: tl.constexpr, K: tl.constexpr):
     """Merge candidate keys b_key [R, C] into the running top-k b_top [R, KP], row by row: at most
     K rounds (EARLY_EXIT: only while some row still has a candidate above its k-th key)."""
@@ -154,7 +139,7 @@ def _insert_rows(b_top, b_key, EARLY_EXIT: tl.constexpr, K: tl.constexpr):
     return b_top
 
 
-@_jit
+@_kernels.jit
 def _dot(b_a, b_b, b_acc, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     """b_a [M, K] · b_b [K, N] + b_acc, fp32. The interpreter (Triton 3.9) multiplies bf16 tiles as
     their raw uint16 bits: there, upcast first (exact, so the CPU tests still check bf16 math)."""
@@ -163,14 +148,14 @@ def _dot(b_a, b_b, b_acc, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     return tl.dot(b_a, b_b, b_acc, input_precision=DOT_PRECISION)
 
 
-@_jit
+@_kernels.jit
 def _empty_top(BLOCK_M: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
     o_k = tl.arange(0, KP)
     b_top = tl.where(o_k < K, -9223372036854775806 + o_k.to(tl.int64), 9223372036854775807)  # [KP]
     return tl.zeros([BLOCK_M, KP], dtype=tl.int64) + b_top[None, :]
 
 
-@_jit
+@_kernels.jit
 def transfer_topk_fwd_kernel(
     q,  # [n * B, R] query rows h W_sᵀ
     table,  # [V, R]
@@ -220,7 +205,7 @@ def transfer_topk_fwd_kernel(
     tl.store(part + (i_s * M + o_m[:, None]) * KP + o_k[None, :], b_top, mask=m_m[:, None])
 
 
-@_jit
+@_kernels.jit
 def transfer_merge_fwd_kernel(
     part,  # [S, M, KP] int64 partial top-k keys
     table,  # [V, R]
@@ -264,7 +249,7 @@ def transfer_merge_fwd_kernel(
     tl.store(t + i_p * R + o_r, b_t, mask=m_r)
 
 
-@_jit
+@_kernels.jit
 def injection_gate_fwd_kernel(
     h,  # [n * B, H]
     t,  # [n, B - 1, R] fp32
@@ -380,7 +365,7 @@ def transfer_features(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids
     vocab, rank = table.shape
     assert blk >= 2 and 1 <= top_k <= vocab and score_weight.shape == (rank, hidden)
     assert table.is_contiguous() and anchor_ids.shape == (n,)
-    _jit_kernels()
+    _kernels.build()
     rows = n * (blk - 2)
     blocks = blocks or blocks_for(n, blk)
     rp, kp = max(16, _next_pow2(rank)), max(2, _next_pow2(top_k))
@@ -417,7 +402,7 @@ def inject_features(h: Tensor, t: Tensor, gate_weight: Tensor, gate_bias: Tensor
     assert t.shape == (n, blk - 1, rank) and t.dtype == torch.float32 and t.is_contiguous()
     assert gate_weight.shape == (hidden, hidden + rank) and out_weight.shape == (hidden, rank)
     assert gate_weight.dtype == out_weight.dtype == h.dtype, "gate/out weights must share h's dtype"
-    _jit_kernels()
+    _kernels.build()
     h, gate_weight, gate_bias, out_weight = (x.contiguous() for x in (h, gate_weight, gate_bias, out_weight))
     blocks = blocks or blocks_for(n, blk)
     out = torch.empty_like(h) if out is None else out

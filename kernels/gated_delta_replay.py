@@ -21,9 +21,11 @@ CUDA-graph capturable).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
+
+from dspine.kernels.lazy_jit import LazyJit
+
+_kernels = LazyJit(globals())  # triton.jit at the first launch: the references import without Triton
 
 
 def gated_delta_step(s: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
@@ -65,7 +67,7 @@ def gated_delta_verify_outputs_reference(
     return torch.stack(o, dim=1)
 
 
-@triton.jit
+@_kernels.jit
 def _gated_delta_step(b_s, b_k, b_v, b_g, b_beta):
     # b_s: [BK, BV] fp32; b_k: [BK]; b_v: [BV]; b_g, b_beta: scalars
     b_s = b_s * tl.exp(b_g)
@@ -73,7 +75,7 @@ def _gated_delta_step(b_s, b_k, b_v, b_g, b_beta):
     return b_s + b_k[:, None] * b_d[None, :]
 
 
-@triton.jit
+@_kernels.jit
 def _load_token(k, v, g, beta, i_tok, o_k, o_v, m_k, m_v, K: tl.constexpr, V: tl.constexpr):
     # fp32 (k [BK], v [BV], g, beta) of token row i_tok
     b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -81,7 +83,7 @@ def _load_token(k, v, g, beta, i_tok, o_k, o_v, m_k, m_v, K: tl.constexpr, V: tl
     return b_k, b_v, tl.load(g + i_tok).to(tl.float32), tl.load(beta + i_tok).to(tl.float32)
 
 
-@triton.jit
+@_kernels.jit
 def gated_delta_replay_fwd_kernel(
     state,  # [N, HV, K, V] fp32
     k,  # [N, T, HV, K]
@@ -118,7 +120,7 @@ def gated_delta_replay_fwd_kernel(
     tl.store(out + p_s, b_s, mask=m_s)
 
 
-@triton.jit
+@_kernels.jit
 def gated_delta_verify_fwd_kernel(
     state,  # [N, HV, K, V] fp32, read only
     q,  # [N, T, HV, K]
@@ -167,6 +169,8 @@ def _launch(kernel, N: int, HV: int, K: int, V: int, *args) -> None:
     """One program per (V-block, request x head). A [K, 16] fp32 tile on one warp was fastest on
     H200 at K = V = 128 (sweep of BV 8..64 x 1..8 warps): the loop is latency-bound, so many small
     programs beat few wide ones."""
+    import triton
+
     BK, BV = triton.next_power_of_2(K), min(triton.next_power_of_2(V), 16)
     grid = (triton.cdiv(V, BV), N * HV)
     kernel[grid](*args, HV=HV, K=K, V=V, BK=BK, BV=BV, num_warps=max(1, BK // 128))
@@ -180,6 +184,7 @@ def gated_delta_replay(
     out: [N, HV, K, V] fp32, fully written; pass `out=state` to replay in place; allocated when None.
     k, v may be bf16 or fp32 (math in fp32). accept_lens: [N] int on the device, clamped to T.
     """
+    _kernels.build()
     N, T, HV, K, V = _check(state, k, v, g, beta)
     out = torch.empty_like(state) if out is None else out
     assert out.shape == state.shape and out.dtype == torch.float32 and out.is_contiguous()
@@ -192,6 +197,7 @@ def gated_delta_verify_outputs(
     state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, out: Tensor | None = None
 ) -> Tensor:
     """Triton `gated_delta_verify_outputs_reference`: o [N, T, HV, V] fp32 (`out` if given)."""
+    _kernels.build()
     N, T, HV, K, V = _check(state, k, v, g, beta)
     assert q.shape == k.shape and q.is_contiguous()
     out = state.new_empty(N, T, HV, V) if out is None else out

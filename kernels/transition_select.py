@@ -17,11 +17,12 @@ computed; the request's temperature picks one). Static shapes, no host sync.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 from torch import Tensor
+
+from dspine.kernels.lazy_jit import LazyJit
 
 
 def conditional_log_probs(unary: Tensor, pair: Tensor, lam: float, temperature: Tensor) -> Tensor:
@@ -69,28 +70,11 @@ def transition_path_reference(unary: Tensor, pair: Tensor, lam: float, temperatu
 
 
 # ------------------------------------------------------------------------------------------ Triton
-# Handed to triton.jit at the first launch (see adjacent_injection.py): imports without Triton, and
-# honours TRITON_INTERPRET set after import.
-_JIT_NAMES: list[str] = []
+# Handed to triton.jit at the first launch (kernels/lazy_jit.py).
+_kernels = LazyJit(globals())
 
 
-def _jit(fn):
-    _JIT_NAMES.append(fn.__name__)
-    return fn
-
-
-@functools.cache
-def _jit_kernels() -> None:
-    import triton
-    import triton.language
-
-    g = globals()
-    g["tl"] = triton.language
-    for name in _JIT_NAMES:
-        g[name] = triton.jit(g[name])
-
-
-@_jit
+@_kernels.jit
 def transition_path_fwd_kernel(
     unary,  # [bs, N, K]
     pair,  # [bs, N, K, K]
@@ -177,7 +161,7 @@ def transition_path(unary: Tensor, pair: Tensor, lam: float, temperature: Tensor
     fp32), written into `out` = (choice, q) when given."""
     bs, n, k = unary.shape
     assert pair.shape == (bs, n, k, k) and temperature.shape == (bs,) and uniforms.shape == (bs, n)
-    _jit_kernels()
+    _kernels.build()
     unary, pair, uniforms = unary.contiguous(), pair.contiguous(), uniforms.contiguous()
     if out is None:
         out = (torch.empty(bs, n, dtype=torch.long, device=unary.device),

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-from dspine import DSpineConfig, DSpineDraftModel
+# CPU runs execute Triton kernels in the interpreter. The mode is fixed when a kernel is created, so
+# it must be set before any test module imports dspine or triton; GPU runs set TRITON_INTERPRET=0.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dspine import DSpineConfig, DSpineDraftModel  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
@@ -41,6 +47,34 @@ def drafter_for(target, seed: int = 0, **overrides) -> DSpineDraftModel:
     model = DSpineDraftModel(cfg).eval()
     model.attach_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     return model
+
+
+def tiny_qwen2(vocab: int = 256, hidden: int = 64, layers: int = 6, seed: int = 2):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      initializer_range=0.2, tie_word_embeddings=False)
+    return Qwen2ForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def tiny_qwen3_next():
+    """4 layers (GDN, attention, GDN, attention), fp32. initializer_range 0.05: fp32 noise between
+    transformers' own prefill and decode paths stays ~2e-6, while replaying one token too few moves
+    logits by ~1e-3 (0.02, the default, leaves the GDN state nearly invisible in the logits)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2,
+        num_experts=0, initializer_range=0.05, max_position_embeddings=256, attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return Qwen3NextForCausalLM(cfg).eval()
+
 
 
 @pytest.fixture(scope="session")

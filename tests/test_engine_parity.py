@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import drafter_for, fixed_prompts
+from conftest import drafter_for, fixed_prompts, tiny_qwen2
 from dspine import generate
 from dspine.proposer import Proposal
 
@@ -14,11 +14,15 @@ MAX_NEW = 40
 
 
 class TargetOracleProposer:
-    """Proposes exactly the target's own greedy continuation: every proposal must be accepted."""
+    """Proposes exactly the target's own greedy continuation: every proposal must be accepted.
 
-    def __init__(self, target, block_size: int):
+    With `corrupt_seed`, one random slot per round is replaced by a wrong token, so exactly the
+    slots before it are accepted: partial acceptance of every length, deterministically."""
+
+    def __init__(self, target, block_size: int, corrupt_seed: int | None = None):
         self.target, self.block_size, self.layer_ids = target, block_size, []
         self.seqs: list[list[int]] = []
+        self.rng = None if corrupt_seed is None else torch.Generator().manual_seed(corrupt_seed)
 
     def start(self, tokens, hidden, lengths):
         self.seqs = [tokens[b, : int(n)].tolist() for b, n in enumerate(lengths)]
@@ -38,7 +42,13 @@ class TargetOracleProposer:
             for _ in range(self.block_size - 1):
                 ids.append(int(self.target(torch.tensor([ids])).logits[0, -1].argmax()))
             out.append(ids[-(self.block_size - 1):])
-        return Proposal(tokens=torch.tensor(out))
+        tokens = torch.tensor(out)
+        if self.rng is not None:
+            slot = torch.randint(0, self.block_size, (len(out),), generator=self.rng)  # block_size-1: none
+            rows = torch.arange(len(out))[slot < self.block_size - 1]
+            slot = slot[slot < self.block_size - 1]
+            tokens[rows, slot] = (tokens[rows, slot] + 1) % self.target.config.vocab_size
+        return Proposal(tokens=tokens)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +82,15 @@ def test_oracle_drafter_reaches_block_size(llama_target, plain_outputs, batch_si
     assert spec.stats.per_position_accept == [1.0] * (block - 1)
 
 
+def test_partial_acceptance_of_every_length(llama_target, plain_outputs):
+    prompts, plain = plain_outputs
+    spec = generate(llama_target, TargetOracleProposer(llama_target, 8, corrupt_seed=0), prompts[:8],
+                    max_new_tokens=MAX_NEW, stop_token_ids=[], batch_size=4)
+    assert spec.tokens == plain[:8]
+    accept = spec.stats.per_position_accept
+    assert all(0.0 < a < 1.0 for a in accept), accept  # every prefix length occurred, none always
+
+
 def test_stop_tokens_and_qwen3_family(qwen3_target):
     prompts = fixed_prompts(6, qwen3_target.config.vocab_size, seed=7)
     plain = generate(qwen3_target, None, prompts, max_new_tokens=30, stop_token_ids=[])
@@ -82,3 +101,11 @@ def test_stop_tokens_and_qwen3_family(qwen3_target):
     assert spec.tokens == plain_stop.tokens
     assert spec.tokens[0][-1] == stop and len(spec.tokens[0]) <= 6
     assert all(len(t) <= 30 for t in spec.tokens)
+
+
+def test_qwen2_family_parity():
+    target = tiny_qwen2()
+    prompts = fixed_prompts(8, target.config.vocab_size, seed=9)
+    plain = generate(target, None, prompts, max_new_tokens=24, stop_token_ids=[])
+    spec = generate(target, drafter_for(target), prompts, max_new_tokens=24, stop_token_ids=[], batch_size=4)
+    assert spec.tokens == plain.tokens

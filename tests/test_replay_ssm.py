@@ -20,6 +20,7 @@ from dspine.kernels.gated_delta_replay import (  # noqa: E402
     gated_delta_verify_outputs_reference,
 )
 from dspine.replay_ssm import ReplaySSMState, verify_scratch_bytes  # noqa: E402
+from conftest import tiny_qwen3_next  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -116,23 +117,6 @@ def test_replay_equals_sequential_decoding(kernels, monkeypatch):
     assert torch.equal(ssm.state, before[:, [3, 1]])
 
 
-def _tiny_qwen3_next():
-    """4 layers (GDN, attention, GDN, attention), fp32. initializer_range 0.05: fp32 noise between
-    transformers' own prefill and decode paths stays ~2e-6, while replaying one token too few moves
-    logits by ~1e-3 (0.02, the default, leaves the GDN state nearly invisible in the logits)."""
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    cfg = Qwen3NextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2,
-        num_experts=0, initializer_range=0.05, max_position_embeddings=256, attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    return Qwen3NextForCausalLM(cfg).eval()
-
-
 @torch.no_grad()
 def _hf_one_at_a_time(model, seq: list[int], prompt_len: int) -> torch.Tensor:
     """transformers' own cache path: the prompt in one forward, then one token per forward -> [len, V]."""
@@ -149,7 +133,7 @@ def _hf_one_at_a_time(model, seq: list[int], prompt_len: int) -> torch.Tensor:
 @pytest.mark.parametrize("prompt_lens", [[6], [5, 9, 2]])
 def test_hybrid_runner_matches_transformers(prompt_lens, kernels, monkeypatch):
     monkeypatch.setenv("DSPINE_KERNELS", kernels)
-    model = _tiny_qwen3_next()
+    model = tiny_qwen3_next()
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in prompt_lens]
     runner = HybridTargetRunner(model, layer_ids=[0, 1, 3])

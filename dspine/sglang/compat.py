@@ -107,3 +107,88 @@ def build_dflash_disagg_draft_input(args: tuple) -> Any:
     except ImportError:
         return None
     return build(*args)
+
+
+# --------------------------------------------------------------------------- worker / draft model
+def published_spec_value(name: str, default: Any = None) -> Any:
+    """A speculative setting from the published `get_spec()` bag (scheduler processes), or `default`
+    where nothing is published (tests, tools)."""
+    try:
+        from sglang.srt.runtime_context import get_spec
+        return getattr(get_spec(), name, default)
+    except (ImportError, ValueError, AttributeError):
+        return default
+
+
+def has_selector_seam() -> bool:
+    """>= 0.5.20: `DFlashWorkerV2` folds `draft_model.candidate_selector` (`build_lattice`,
+    `sample_path`) and `compute_candidates` into the draft graph, has an eager twin
+    (`_propose_selector_block`) and verifies sampled paths with their q. 0.5.17 has none of it: the
+    DSPINE worker folds the same functions in through `_maybe_build_draft_sampler` instead."""
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    return hasattr(DFlashWorkerV2, "_propose_selector_block")
+
+
+def sglang_candidate_topk():
+    """`models.dflash.candidate_topk` (>= 0.5.20: radix top-k, TP shard gather, quantized heads),
+    or None (0.5.17; DSpine's own `global_topk` is used then)."""
+    try:
+        from sglang.srt.models.dflash import candidate_topk
+    except ImportError:
+        return None
+    return candidate_topk
+
+
+def tp_group() -> Any:
+    """The TP `GroupCoordinator`: `get_parallel().tp_group` (0.5.22; 0.5.17 has it too), else the
+    older `distributed.get_tp_group()`."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+        return get_parallel().tp_group
+    except (ImportError, AttributeError, ValueError, AssertionError):
+        from sglang.srt.distributed import get_tp_group
+        return get_tp_group()
+
+
+def decode_graph_max_bs() -> int:
+    """Largest captured decode batch (sizes the in-graph sampler's buffers); same reader in 0.5.17
+    and 0.5.22."""
+    from sglang.srt.runtime_context import get_exec
+
+    return int(max(get_exec().graph.cuda_graph_config.decode.bs))
+
+
+def eager_draft_sampler_forced() -> bool:
+    """`SGLANG_DFLASH_EAGER_DRAFT_SAMPLER=1` keeps the draft head out of the graph (both versions)."""
+    from sglang.srt.environ import envs
+
+    return bool(envs.SGLANG_DFLASH_EAGER_DRAFT_SAMPLER.get())
+
+
+def unwrap_lora_layer(layer: Any) -> Any:
+    """The base layer under a LoRA wrapper (`lora.layers.unwrap_lora_layer` where it exists)."""
+    try:
+        from sglang.srt.lora.layers import unwrap_lora_layer as unwrap
+    except ImportError:
+        return getattr(layer, "base_layer", layer)
+    return unwrap(layer) if layer is not None else None
+
+
+def replayssm_commit_active(target_worker: Any) -> bool:
+    """True when the target's mamba pool runs ReplaySSM spec-verify (GDN ring cursors, GDN or KDA
+    fold): then only `spec_utils.commit_mamba_states_after_verify` commits correctly (the DFlash
+    worker's backend call does not advance the GDN ring). Same pool attributes in 0.5.17 and 0.5.22."""
+    pool = getattr(getattr(target_worker.model_runner, "req_to_token_pool", None), "mamba_pool", None)
+    return pool is not None and (bool(getattr(pool, "replayssm_spec_fold", False))
+                                 or getattr(pool, "replayssm_cache_base", None) is not None)
+
+
+def commit_mamba_states_after_verify(target_worker: Any, batch: Any, *, accept_lens: Any, accept_index: Any,
+                                     draft_token_num: int) -> None:
+    """`spec_utils.commit_mamba_states_after_verify`: positional `(target_worker, batch, accept_lens,
+    accept_index, draft_token_num)` in 0.5.17 and 0.5.22 (0.5.22 adds an optional
+    `prepared_step_indices`, left to its default). `batch.seq_lens` must still be pre-verify."""
+    from sglang.srt.speculative import spec_utils
+
+    spec_utils.commit_mamba_states_after_verify(target_worker, batch, accept_lens, accept_index, draft_token_num)

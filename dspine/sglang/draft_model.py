@@ -1,16 +1,499 @@
-"""STUB: placeholder for the SGLang draft-model class `DSpineDraftModel` (architecture name in a
-DSpine checkpoint's config.json).
+"""`DSpineDraftModel` for SGLang's model registry: a DFlash draft model plus DSpine's extras.
 
-Exists only so `ModelRegistry` can resolve the architecture in registration tests; the real class
-(a `DFlashDraftModel` subclass with gated adjacent injection and its own `load_weights`) comes
-with the worker/model-class task. Constructing it raises.
+SGLang builds the draft of `--speculative-draft-model-path` as `cls(config=hf_config,
+quant_config=...)` from `config.json` `architectures[0]` and loads it with `load_weights`. The
+class subclasses SGLang's `DFlashDraftModel` (`models/dflash.py`), so every attribute the DFlash
+worker reads is inherited and identical in 0.5.17 and 0.5.22: per layer `self_attn.{kv_proj_only,
+apply_k_norm, apply_k_rope, num_kv_heads, head_dim, attn, qkv_proj, rotary_emb}`, and on the model
+`project_target_hidden`, `prepare_context_hidden_for_kv`, `supports_fused_context_kv`,
+`get_input_embeddings`, `block_size` (0.5.22 also `set_block_size`, `candidate_selector`,
+`lilicorr`, `is_nemotron_35_draft`). The Qwen3-style layers, `fc`, `hidden_norm` and `norm` are
+DFlash's own modules, so the target-hidden KV materialisation (fused or per layer) runs unchanged.
+
+What DSpine adds, and only here:
+
+- **Forward** (re-implemented, it is DFlash's 15-line loop plus two lines): the block rows arrive as
+  `bs x N` row-major (padded to the graph batch). Slots 1..N-1 get the learned `mask_embedding`
+  instead of the target embedding of `mask_token_id` the worker looked up (slot 0, the anchor,
+  keeps the target embedding, as in training). After every layer the gated adjacent injection
+  runs on `hidden.view(-1, N, H)` with the anchors `input_ids.view(-1, N)[:, 0]`: both SGLang
+  versions hand the draft forward the block ids (`forward_batch.input_ids`, a static buffer in the
+  graph, copied on replay) next to `input_embeds`, so nothing has to be stashed. DFlash's fused
+  residual is unfolded to the full hidden state around the injection (DSpine's layer is
+  `x += attn(norm(x)); x += mlp(norm(x)); x = inject(x)`).
+- **Transfer table** U = E_out P^T ([V, r]) from the TARGET's `lm_head`, attached by the worker
+  (`attach_target_head`) before graph capture. U lives in one persistent buffer (the captured
+  graphs read its address); it is (re)computed outside graphs: at attach time, on the first real
+  decode step (weights are final by then, also with `--startup-weight-load-mode overlap`) and when
+  the head's storage or version changes. Under TP the vocab-sharded head gives each rank its rows of
+  U, which are all-gathered into a full replicated table (candidate ids are global).
+- **Selection**: `candidate_selector` + `compute_candidates` implement SGLang's DFlash selector
+  seam (0.5.20+: folded into the draft graph, eager fallback, and sampled verification with the
+  proposal q). The lattice score of candidate c after predecessor a is
+  `unary(c) + lambda * T(a, c)`, T(a, c) = (U[a] W_T) . U[c]; the walk is DSpine's
+  (`kernels.transition_select`: Viterbi for greedy rows, inverse-CDF sampling with q otherwise), so
+  tokens and q equal `dspine.transition.select_tokens`. SGLang 0.5.17 has no seam: the worker
+  folds the same functions into the draft graph through its own sampler (`worker.py`).
+- **Strict weights**: `load_weights` maps and loads every tensor of the checkpoint (Qwen3-style
+  names, q/k/v and gate/up stacked) and raises naming every unexpected tensor and every parameter
+  left unloaded (DFlash silently ignores unknown names).
+- The confidence head is loaded (coverage) for dynamic verification; nothing reads it yet.
+
+`config.json` must mirror `block_size`, `target_layer_ids`, `num_target_layers` and
+`mask_token_id` into a `dflash_config` block: SGLang reads those (also for the target's hidden-state
+capture), never `dspine_config`. A checkpoint without it fails here, before serving.
 """
 
+from __future__ import annotations
 
-class DSpineDraftModel:
-    """STUB. SGLang builds draft models as `cls(config=hf_config, quant_config=...)`."""
+import logging
+from typing import Callable, Iterable, Optional
 
-    def __init__(self, *args, **kwargs) -> None:
-        raise NotImplementedError(
-            "DSpineDraftModel (dspine/sglang/draft_model.py) is a stub: the SGLang draft model class "
-            "is not implemented yet, so a DSpine checkpoint cannot be loaded into SGLang in this build.")
+import torch
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.model_loader.weight_utils import default_weight_loader
+from sglang.srt.models.dflash import DFlashDraftModel as _DFlashDraftModel
+from torch import Tensor, nn
+
+from dspine.checkpoint import MissingTensorsError, TensorMismatchError, UnexpectedTensorsError, dflash_config_for
+from dspine.config import ConfigError, DSpineConfig
+from dspine.kernels import dispatch
+from dspine.kernels.transition_select import transition_path_reference
+from dspine.sglang import compat
+from dspine.transfer import AdjacentInjection, TransferSpace
+from dspine.transition import TransitionScorer
+
+logger = logging.getLogger(__name__)
+
+DFLASH_MIRRORED_KEYS = ("block_size", "target_layer_ids", "num_target_layers", "mask_token_id")
+
+# (SGLang parameter, checkpoint projection, shard id): SGLang fuses q/k/v and gate/up.
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+# ------------------------------------------------------------------------------- config checks
+def dspine_config_of(hf_config) -> DSpineConfig:
+    """The `dspine_config` block of a draft `config.json` (as SGLang's HF config object)."""
+    data = getattr(hf_config, "dspine_config", None)
+    if not isinstance(data, dict):
+        raise ConfigError("the draft config.json has no `dspine_config` block: "
+                          "--speculative-draft-model-path must point at a DSpine checkpoint (re-save it with dspine)")
+    return DSpineConfig.from_dict(dict(data))
+
+
+def check_dflash_mirror(hf_config, cfg: DSpineConfig) -> None:
+    """Raise unless `dflash_config` mirrors `dspine_config` (SGLang sizes `fc`, picks the target
+    layers to capture and builds the mask block from `dflash_config`, never from `dspine_config`)."""
+    mirror = getattr(hf_config, "dflash_config", None)
+    want = dflash_config_for(cfg)
+    fix = (f"add to config.json: \"dflash_config\": {want} (re-save the checkpoint with a dspine whose "
+           f"checkpoint.hf_config writes it)")
+    if not isinstance(mirror, dict):
+        raise ConfigError(f"the draft config.json has no `dflash_config` block, so SGLang would capture other target "
+                          f"layers and resolve the mask token through the tokenizer. Fix: {fix}")
+    got = {k: mirror.get(k) for k in DFLASH_MIRRORED_KEYS}
+    if got["target_layer_ids"] is not None:
+        got["target_layer_ids"] = [int(i) for i in got["target_layer_ids"]]
+    bad = {k: got[k] for k in DFLASH_MIRRORED_KEYS if got[k] != want[k]}
+    if bad:
+        raise ConfigError(f"dflash_config {bad} differs from dspine_config {({k: want[k] for k in bad})}. Fix: {fix}")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "head_dim"):
+        top = getattr(hf_config, key, None)
+        if top is not None and int(top) != int(getattr(cfg, key)):
+            raise ConfigError(f"config.json {key} = {top} but dspine_config.{key} = {getattr(cfg, key)}: "
+                              f"the checkpoint's two config blocks disagree; re-save it with dspine")
+
+
+# ----------------------------------------------------------------------------- weight mapping
+def map_weight_name(name: str) -> tuple[str, Optional[object]]:
+    """Checkpoint tensor name -> (SGLang parameter name, shard id or None).
+
+    `layers.0.self_attn.k_proj.weight` -> (`layers.0.self_attn.qkv_proj.weight`, "k");
+    `layers.0.mlp.up_proj.weight` -> (`layers.0.mlp.gate_up_proj.weight`, 1); everything else
+    keeps its name (a leading `model.` is dropped)."""
+    name = name[len("model."):] if name.startswith("model.") else name
+    for param, weight, shard in STACKED_PARAMS:
+        if f".{weight}." in name:
+            return name.replace(f".{weight}.", f".{param}."), shard
+    return name, None
+
+
+def expected_shards(param_name: str) -> tuple:
+    """The shard ids that together fill one SGLang parameter."""
+    shards = tuple(s for p, _, s in STACKED_PARAMS if f".{p}." in f".{param_name}")
+    return shards or (None,)
+
+
+def checkpoint_names_of(param_name: str, shard) -> str:
+    """The checkpoint tensor name that fills (param, shard): the inverse of `map_weight_name`."""
+    for param, weight, s in STACKED_PARAMS:
+        if s == shard and f".{param}." in param_name:
+            return param_name.replace(f".{param}.", f".{weight}.")
+    return param_name
+
+
+def check_weight_coverage(parameter_names: Iterable[str], loaded: Iterable[tuple[str, object]],
+                          unexpected: Iterable[str], where: str = "") -> None:
+    """Strict coverage: raise `UnexpectedTensorsError` naming every checkpoint tensor no parameter
+    takes, then `MissingTensorsError` naming the checkpoint tensor of every (parameter, shard) that
+    was never loaded. `loaded` holds (parameter name, shard id) pairs."""
+    where = f"{where}: " if where else ""
+    unexpected = sorted(set(unexpected))
+    if unexpected:
+        raise UnexpectedTensorsError(
+            f"{where}the DSpine draft checkpoint has tensors this model does not take: {unexpected}. The weights "
+            f"belong to a different drafter layout than its dspine_config describes (e.g. injection or "
+            f"confidence_head switched); fix the config or re-save the checkpoint")
+    done = set(loaded)
+    missing = sorted(checkpoint_names_of(p, s) for p in parameter_names for s in expected_shards(p)
+                     if (p, s) not in done)
+    if missing:
+        raise MissingTensorsError(
+            f"{where}the DSpine draft checkpoint lacks tensors: {missing}. The checkpoint does not match its own "
+            f"dspine_config (or is truncated): fix the config or re-save the checkpoint")
+
+
+# ------------------------------------------------------------------------------ pure helpers
+def block_inputs(input_embeds: Tensor, mask_embedding: Tensor, block_size: int) -> Tensor:
+    """[n*N, H] worker embeddings -> [n*N, H]: slot 0 (anchor) kept, slots 1..N-1 = the learned
+    mask embedding (the worker put the target embedding of `mask_token_id` there)."""
+    hidden = input_embeds.shape[-1]
+    blocks = input_embeds.reshape(-1, block_size, hidden)
+    masks = mask_embedding.to(blocks.dtype).expand(blocks.shape[0], block_size - 1, hidden)
+    return torch.cat([blocks[:, :1], masks], dim=1).reshape(-1, hidden)
+
+
+def transfer_table_from_head(head_weight: Tensor, proj_weight: Tensor, vocab_size: int, *, shard=None,
+                             tp_size: int = 1, all_gather: Callable[[Tensor, int], Tensor] | None = None) -> Tensor:
+    """U = E_out P^T [vocab_size, r] in P's dtype, from this rank's (possibly vocab-sharded) head.
+
+    TP: rank i holds padded vocab rows [i*P, (i+1)*P) of the head (SGLang's VocabParallelEmbedding
+    layout, `shard.num_org_elements_padded` = P, padding rows after `num_org_elements`); each rank
+    projects its P rows and the all-gather concatenates them in rank order, so the first
+    `vocab_size` rows are the full table."""
+    if shard is not None and int(getattr(shard, "num_added_elements", 0)) != 0:
+        raise NotImplementedError("DSpine does not support a target lm_head with added (LoRA) vocabulary")
+    if tp_size == 1:
+        rows = head_weight[:vocab_size]
+        if rows.shape[0] != vocab_size:
+            raise ValueError(f"target lm_head has {head_weight.shape[0]} rows, the drafter needs "
+                             f"vocab_size={vocab_size}")
+        return rows.to(proj_weight.dtype) @ proj_weight.T
+    if shard is None or all_gather is None:
+        raise RuntimeError("tp > 1 needs the lm_head's shard_indices and the TP all-gather")
+    local = head_weight[: int(shard.num_org_elements_padded)].to(proj_weight.dtype) @ proj_weight.T
+    full = all_gather(local.contiguous(), 0)
+    if full.shape[0] < vocab_size:
+        raise ValueError(f"gathered {full.shape[0]} transfer rows, the drafter needs vocab_size={vocab_size}")
+    return full[:vocab_size]
+
+
+def global_topk(hidden: Tensor, head_weight: Tensor, k: int, *, num_org: int, org_start: int = 0,
+                tp_size: int = 1, all_gather: Callable[[Tensor, int], Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """Top-k draft candidates through the target head: hidden [M, H] -> (global ids [M, k] int64,
+    logits [M, k] fp32). TP: local top-k per vocab shard, all-gather k values/ids per rank (not the
+    vocabulary), then a global top-k: the same candidates as a full-vocabulary top-k."""
+    logits = hidden.to(head_weight.dtype) @ head_weight[:num_org].T
+    vals, ids = logits.topk(k, dim=-1)  # in the head's dtype: no fp32 copy of [M, V]
+    vals, ids = vals.float(), ids + org_start
+    if tp_size == 1:
+        return ids, vals
+    all_vals, all_ids = all_gather(vals.contiguous(), -1), all_gather(ids.contiguous(), -1)  # [M, tp*k]
+    vals, pick = all_vals.topk(k, dim=-1)
+    return all_ids.gather(-1, pick), vals
+
+
+def lattice_scores(scorer: TransitionScorer, table: Tensor, candidate_ids: Tensor, unary: Tensor,
+                   anchor_ids: Tensor, lam: float) -> Tensor:
+    """score[b, i, a, c] = unary[b, i, c] + lam * T(pred_a, cand_c), pred of slot 0 = the anchor.
+
+    candidate_ids/unary: [bs, n, K]; anchor_ids: [bs] -> [bs, n, K, K] fp32 (SGLang's
+    `build_lattice` contract; the same numbers `dspine.transition.select_tokens` walks)."""
+    bs, _, k = candidate_ids.shape
+    prev = torch.cat([anchor_ids[:, None, None].expand(bs, 1, k), candidate_ids[:, :-1]], dim=1)
+    pair = scorer.pair(table, prev, candidate_ids).float()
+    return unary.float()[:, :, None, :] + lam * pair
+
+
+def walk_lattice(candidate_ids: Tensor, scores: Tensor, temperature: Tensor, uniforms: Tensor) -> tuple[Tensor, Tensor]:
+    """DSpine's lattice walk over combined scores: Viterbi where temperature <= 0, inverse-CDF
+    sampling with proposal q elsewhere. Returns (tokens [bs, n] int64, q [bs, n, K] fp32)."""
+    zeros = torch.zeros_like(scores[..., 0, :])  # the unary part is already inside `scores`
+    if dispatch.use_triton(scores):
+        from dspine.kernels.transition_select import transition_path
+        choice, q = transition_path(zeros, scores, 1.0, temperature.float(), uniforms.float())
+    else:
+        choice, q = transition_path_reference(zeros, scores, 1.0, temperature.float(), uniforms.float())
+    return candidate_ids.gather(-1, choice[..., None]).squeeze(-1), q
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _weight_key(weight: Tensor) -> tuple:
+    try:
+        version = weight._version
+    except RuntimeError:  # inference tensors track no version
+        version = None
+    return weight.data_ptr(), version, tuple(weight.shape)
+
+
+# ---------------------------------------------------------------------------------- selector
+class DSpineCandidateSelector:
+    """SGLang's DFlash `candidate_selector` seam (0.5.20+) with DSpine's transition scores.
+
+    Not an `nn.Module`: its only weight, W_T, is the model's `transition.weight` (checkpoint name
+    kept), and the table is the model's transfer table."""
+
+    def __init__(self, model: "DSpineDraftModel"):
+        self._model = model
+        self.top_k = int(model.dspine_config.selection_top_k)
+        self.lam = float(model.dspine_config.transition_lambda)
+
+    def build_lattice(self, *, candidate_ids: Tensor, unary_logits: Tensor, hidden_states: Tensor,
+                      anchor_token_ids: Tensor) -> Tensor:
+        del hidden_states  # DSpine's transitions depend on the token pair only
+        model = self._model
+        return lattice_scores(model.transition, model.transfer_table(), candidate_ids, unary_logits,
+                              anchor_token_ids, self.lam)
+
+    def sample_path(self, *, candidate_ids: Tensor, scores: Tensor, uniforms: Tensor, temperatures: Tensor,
+                    greedy_mask: Tensor) -> tuple[Tensor, Tensor]:
+        temperature = torch.where(greedy_mask, torch.zeros_like(temperatures, dtype=torch.float32),
+                                  temperatures.float())
+        return walk_lattice(candidate_ids, scores, temperature, uniforms)
+
+
+# ------------------------------------------------------------------------------------- model
+class DSpineDraftModel(_DFlashDraftModel):
+    """DSpine drafter in SGLang (see the module docstring)."""
+
+    def __init__(self, config, quant_config=None, prefix: str = "", **kwargs) -> None:
+        cfg = dspine_config_of(config)
+        check_dflash_mirror(config, cfg)
+        if quant_config is not None:  # SGLang hands the draft the target's --quantization by default
+            logger.warning("DSPINE: the draft runs unquantized (%s ignored; --speculative-draft-model-quantization "
+                           "unquant silences this).", type(quant_config).__name__)
+        super().__init__(config=config, quant_config=None, prefix=prefix)
+        self.dspine_config = cfg
+        if int(self.num_context_features) != cfg.num_context_features:
+            raise ConfigError(f"SGLang sized fc for {self.num_context_features} target layers, dspine_config has "
+                              f"{cfg.target_layer_ids}: fix dflash_config.target_layer_ids")
+        self.block_size = cfg.block_size
+        h, r = cfg.hidden_size, cfg.transfer_rank
+        self.mask_embedding = nn.Parameter(torch.empty(h), requires_grad=False)
+        uses_transfer = cfg.injection or cfg.selection == "transition"
+        self.transfer = TransferSpace(h, r) if uses_transfer else None
+        self.injections = (nn.ModuleList(AdjacentInjection(h, r, cfg.injection_top_k)
+                                         for _ in range(cfg.num_hidden_layers)) if cfg.injection else None)
+        self.transition = TransitionScorer(r) if cfg.selection == "transition" else None
+        self.confidence = nn.Linear(h, 1) if cfg.confidence_head else None
+        for module in (self.transfer, self.injections, self.transition, self.confidence):
+            if module is not None:
+                module.requires_grad_(False)
+        # SGLang's selector seam (0.5.20+); None = independent argmax (the ablation), which
+        # DFlash's own greedy head serves in every version.
+        self.candidate_selector = DSpineCandidateSelector(self) if self.transition is not None else None
+        self.lm_head = None  # 0.5.22's worker points it at the target head before capture
+        # Target tensors are referenced, never registered (not part of this model's weights).
+        self.__dict__.update(_target_head=None, _tp_group=None, _table=None, _table_key=None, _served=False,
+                             _weights_loaded=False, _sglang_candidate_topk=compat.sglang_candidate_topk())
+        self._warn_if_window_differs()
+
+    # ------------------------------------------------------------------------ block size
+    def set_block_size(self, block_size: int) -> None:
+        """0.5.22's worker passes the resolved `--speculative-num-draft-tokens` (0.5.17 never calls)."""
+        if int(block_size) != self.dspine_config.block_size:
+            raise ValueError(f"--speculative-num-draft-tokens {block_size}: this DSpine drafter was trained for blocks "
+                             f"of {self.dspine_config.block_size}. Fix: drop the flag or set it to "
+                             f"{self.dspine_config.block_size}")
+        if hasattr(super(), "set_block_size"):
+            super().set_block_size(block_size)
+        self.block_size = int(block_size)
+
+    def _warn_if_window_differs(self) -> None:
+        window = compat.published_spec_value("speculative_draft_window_size")
+        if window is not None and int(window) != self.dspine_config.sliding_window:
+            logger.warning("DSPINE: --speculative-draft-window-size %s differs from the window the drafter was trained "
+                           "with (dspine_config.sliding_window = %d).", window, self.dspine_config.sliding_window)
+        elif window is None:
+            logger.info("DSPINE: the drafter was trained with a context window of %d tokens; without "
+                        "--speculative-draft-window-size %d it sees the whole context of longer requests.",
+                        self.dspine_config.sliding_window, self.dspine_config.sliding_window)
+
+    # ---------------------------------------------------------------------- target head
+    def attach_target_head(self, lm_head: nn.Module, tp_group=None) -> None:
+        """Reference the TARGET's `lm_head` (vocab-sharded under TP) for the transfer table and the
+        candidates. Call before graph capture; the table buffer is allocated here once."""
+        cfg = self.dspine_config
+        weight = getattr(lm_head, "weight", None)
+        if weight is None or not torch.is_floating_point(weight):
+            raise ValueError("DSpine needs a dense floating-point target lm_head (quantized heads are not supported)")
+        vocab = int(getattr(lm_head, "org_vocab_size", weight.shape[0]))
+        if vocab != cfg.vocab_size or int(weight.shape[-1]) != cfg.hidden_size:
+            raise ValueError(f"target lm_head is [vocab={vocab}, hidden={int(weight.shape[-1])}], this drafter was "
+                             f"trained for [vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}]: serve it with "
+                             f"the target it was trained for")
+        self.__dict__.update(_target_head=lm_head, _tp_group=tp_group, _table_key=None, _served=False)
+        if self.transfer is not None:
+            proj = self.transfer.proj.weight
+            self.__dict__["_table"] = torch.zeros(cfg.vocab_size, cfg.transfer_rank, dtype=proj.dtype,
+                                                  device=weight.device)
+            if not _capturing():
+                self.refresh_transfer_table()
+
+    @property
+    def target_head(self) -> nn.Module:
+        head = self.lm_head if self.lm_head is not None else self._target_head
+        if head is None:
+            raise RuntimeError("DSpineDraftModel: no target lm_head attached (the DSPINE worker attaches it)")
+        return head
+
+    def _tp(self) -> tuple[int, Optional[Callable]]:
+        group = self._tp_group
+        size = int(getattr(group, "world_size", 1)) if group is not None else 1
+        return size, (group.all_gather if size > 1 else None)
+
+    def refresh_transfer_table(self) -> None:
+        """Recompute U into the persistent buffer (outside graphs; a collective under TP)."""
+        head = self._target_head
+        tp_size, all_gather = self._tp()
+        # Inference mode: the buffer may have been made in or out of it; in-place writes work either way.
+        with torch.inference_mode():
+            table = transfer_table_from_head(head.weight, self.transfer.proj.weight, self.dspine_config.vocab_size,
+                                             shard=getattr(head, "shard_indices", None), tp_size=tp_size,
+                                             all_gather=all_gather)
+            self._table.copy_(table)
+        self.__dict__["_table_key"] = _weight_key(head.weight)
+
+    def ensure_transfer_table(self, serving: bool = False) -> None:
+        """Rebuild U when it may be stale: never built, the first serving step (`serving=True`;
+        target weights are final by then), or the head's storage/version changed. Host-side check."""
+        if self.transfer is None or self._table is None:
+            return
+        stale = self._table_key is None or _weight_key(self._target_head.weight) != self._table_key
+        if stale or (serving and not self._served):
+            self.refresh_transfer_table()
+        if serving:
+            self.__dict__["_served"] = True
+
+    def invalidate_transfer_table(self) -> None:
+        """Call after updating the target's lm_head in place (e.g. RL weight sync)."""
+        self.__dict__["_table_key"] = None
+
+    def transfer_table(self) -> Tensor:
+        """U [V, r]: the persistent buffer (its address is what captured graphs read)."""
+        if self._table is None:
+            raise RuntimeError("DSpineDraftModel: call attach_target_head(target lm_head) before the first forward")
+        if self._table_key is None and not _capturing():
+            self.refresh_transfer_table()
+        return self._table
+
+    # ------------------------------------------------------------------------ candidates
+    def compute_candidates(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """SGLang's selector seam: hidden [M, H] -> global (candidate ids [M, K], unary logits fp32)."""
+        k = self.candidate_selector.top_k
+        head = self.target_head
+        sglang_topk = self._sglang_candidate_topk
+        if sglang_topk is not None:  # 0.5.20+: radix top-k, TP gather, quantized heads
+            ids, vals, _ = sglang_topk(hidden, head, k)
+            return ids.long(), vals.float()
+        weight, shard = head.weight, getattr(head, "shard_indices", None)
+        tp_size, all_gather = self._tp()
+        num_org = int(shard.num_org_elements) if shard is not None else self.dspine_config.vocab_size
+        start = int(shard.org_vocab_start_index) if shard is not None else 0
+        return global_topk(hidden, weight, k, num_org=num_org, org_start=start, tp_size=tp_size, all_gather=all_gather)
+
+    def propose(self, pred_hidden: Tensor, anchor_ids: Tensor, temperature: Tensor,
+                uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Transition selection for n blocks: pred_hidden [n, N-1, H] (slots 1..N-1), anchors [n],
+        temperature [n] (<= 0: Viterbi), uniforms [n, N-1] -> (tokens, candidate ids, q)."""
+        n, gamma, hidden = pred_hidden.shape
+        ids, unary = self.compute_candidates(pred_hidden.reshape(-1, hidden))
+        ids, unary = ids.view(n, gamma, -1), unary.view(n, gamma, -1)
+        scores = self.candidate_selector.build_lattice(candidate_ids=ids, unary_logits=unary,
+                                                       hidden_states=pred_hidden, anchor_token_ids=anchor_ids)
+        tokens, q = walk_lattice(ids, scores, temperature, uniforms)
+        return tokens, ids, q
+
+    # --------------------------------------------------------------------------- forward
+    def inject(self, layer: int, hidden: Tensor, anchor_ids: Tensor, table: Tensor) -> Tensor:
+        """Layer `layer`'s adjacent injection on rows [n*N, H] viewed as [n, N, H]."""
+        n_h = hidden.shape[-1]
+        out, _ = self.injections[layer](hidden.view(-1, self.block_size, n_h), table, anchor_ids, need_scores=False)
+        return out.reshape(-1, n_h)
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, positions: Tensor, forward_batch, input_embeds: Optional[Tensor] = None,
+                get_embedding: bool = False, pp_proxy_tensors=None) -> LogitsProcessorOutput:
+        if input_embeds is None:
+            raise ValueError("DSpineDraftModel requires `input_embeds` (the worker embeds the block with the target "
+                             "embedding)")
+        if input_embeds.numel() == 0:  # idle DP rank
+            return LogitsProcessorOutput(next_token_logits=None, hidden_states=input_embeds)
+        dtype = self.norm.weight.dtype
+        x = block_inputs(input_embeds.to(dtype), self.mask_embedding, self.block_size)
+        anchors = table = None
+        if self.injections is not None:
+            if input_ids is None:
+                raise ValueError("DSpineDraftModel requires the block ids (`input_ids`) for the anchors")
+            # Padded graph rows hold stale (valid) ids; clamp keeps any other value in range.
+            anchors = input_ids.view(-1, self.block_size)[:, 0].clamp(0, self.dspine_config.vocab_size - 1)
+            table = self.transfer_table()
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(positions, x, forward_batch, None)
+            x = h + residual
+            if self.injections is not None:
+                x = self.inject(i, x, anchors, table)
+        return LogitsProcessorOutput(next_token_logits=None, hidden_states=self.norm(x))
+
+    def confidence_logits(self, hidden: Tensor) -> Optional[Tensor]:
+        """Raw per-position acceptance logits (for dynamic verification; unused so far)."""
+        return None if self.confidence is None else self.confidence(hidden.to(self.confidence.weight.dtype)).squeeze(-1)
+
+    # ------------------------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """Load every checkpoint tensor, strictly (names in `map_weight_name`).
+
+        The first call must fill every parameter (and every q/k/v, gate/up shard); any call rejects
+        tensors no parameter takes. Later calls (weight updates) may carry a subset. Raises
+        `UnexpectedTensorsError` / `MissingTensorsError` / `TensorMismatchError` naming the tensors."""
+        params = dict(self.named_parameters())
+        for name in [n for n in params if n.startswith("lm_head.")]:
+            params.pop(name)  # the target's head, attached by reference on 0.5.22
+        loaded: set[tuple[str, object]] = set()
+        unexpected: list[str] = []
+        where = str(getattr(self.config, "_name_or_path", "") or "")
+        for name, tensor in weights:
+            param_name, shard = map_weight_name(name)
+            param = params.get(param_name)
+            if param is None or shard not in expected_shards(param_name):
+                unexpected.append(name)
+                continue
+            if (param_name, shard) in loaded:
+                raise UnexpectedTensorsError(f"{where}: tensor {name} appears twice in the DSpine draft checkpoint")
+            if shard is None and tuple(tensor.shape) != tuple(param.shape):
+                raise TensorMismatchError(f"{where}: tensor {name} has shape {tuple(tensor.shape)}, the model expects "
+                                          f"{tuple(param.shape)} (dspine_config does not match the weights)")
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor) if shard is None else loader(param, tensor, shard)
+            except (AssertionError, RuntimeError, ValueError) as e:
+                raise TensorMismatchError(f"{where}: tensor {name} does not fit {param_name}: {e}") from e
+            loaded.add((param_name, shard))
+        check_weight_coverage(params if not self._weights_loaded else [], loaded, unexpected, where)
+        self.__dict__["_weights_loaded"] = True
+        if self._table is not None:
+            self.invalidate_transfer_table()  # P may have changed
+        return {p for p, _ in loaded}
+
+
+EntryClass = [DSpineDraftModel]

@@ -1,14 +1,140 @@
-"""STUB: placeholder for the DSPINE SGLang worker (`DSpineWorkerV2`, a `DFlashWorkerV2` subclass).
+"""`DSpineWorkerV2`: SGLang's `DFlashWorkerV2` with DSpine's token choice and commit fixes.
 
-Exists only so the plugin's lazy worker factory has an import path to resolve; the real worker
-comes with the worker/model-class task. Constructing it raises.
+The draft forward itself is the draft model class's (`draft_model.py`: mask embedding, adjacent
+injection); this worker only overrides the smallest seams around it:
+
+- `__init__(*args, **kwargs)` (0.5.17 passes `ps`, 0.5.22 does not): after SGLang built the draft
+  runner, check the drafter against the target's config (vocab, hidden size, layer count and ids,
+  mask id: fails before serving, naming the field) and attach the TARGET's `lm_head` to the draft
+  model (transfer table U, candidates) before any graph is captured (`init_cuda_graphs` runs later).
+- `forward_batch_generation`: first `draft_model.ensure_transfer_table(serving=True)` (host-side
+  check; rebuilds U outside any graph on the first step, when target weights are final, and when
+  the head changed), then SGLang's method unchanged.
+- Token choice. SGLang >= 0.5.20 (`compat.has_selector_seam()`): nothing to override; the model's
+  `candidate_selector`/`compute_candidates` go through DFlash's selector path (in graph, eager, and
+  lossless sampled verification with the proposal q). SGLang 0.5.17 has no seam, so:
+  `_maybe_build_draft_sampler` folds `DSpineDraftSampler` into the draft graph (capture hook
+  `sampler(hidden_states, input_ids)`, writes `.out`), and `_greedy_sample_from_vocab_parallel_head`
+  (the eager fallback; it gets only the hidden rows) reads the anchors from
+  `_draft_block_ids_buf[:bs, 0]`. On 0.5.17 DSpine proposes the Viterbi path for every row: 0.5.17
+  verifies T > 0 by "accept iff the draft equals the target's own sample"
+  (`compute_dflash_sampling_correct_drafts_and_bonus`), which is lossless for any proposal and never
+  reads q, and whose acceptance is highest for the most likely path.
+  With `selection="argmax"` (the ablation) the model has no selector and SGLang's own argmax head
+  runs in every version.
+- `_update_target_mamba_state_after_verify`: on ReplaySSM targets route the commit through
+  `spec_utils.commit_mamba_states_after_verify` (advances the GDN ring cursors, which the DFlash
+  worker's backend call does not); otherwise DFlash's own commit.
 """
 
+from __future__ import annotations
 
-class DSpineWorkerV2:
-    """STUB. SGLang calls `DSpineWorkerV2(server_args=, gpu_id=, nccl_port=, target_worker=[, ps=])`."""
+import logging
+
+import torch
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+from torch import Tensor
+
+from dspine.checkpoint import check_target_compatible
+from dspine.sglang import compat
+from dspine.sglang.draft_model import DSpineDraftModel
+
+logger = logging.getLogger(__name__)
+
+
+class DSpineDraftSampler:
+    """DSpine's transition selection folded into the draft CUDA graph (SGLang 0.5.17).
+
+    Called by the capture hook as `sampler(hidden_states [n*N, H], input_ids [n*N])` (n = the graph
+    batch, padded rows included) and writes the proposals to `out[:n*(N-1)]`, which the worker reads
+    after replay. Greedy (Viterbi) for every row: `temperatures` stays 0 (see the module docstring).
+    Static shapes and buffers only; no host sync."""
+
+    def __init__(self, *, draft_model: DSpineDraftModel, block_size: int, max_bs: int, device) -> None:
+        self.draft_model = draft_model
+        self.block_size = int(block_size)
+        gamma = self.block_size - 1
+        self.out = torch.empty((int(max_bs) * gamma,), dtype=torch.int64, device=device)
+        self.temperatures = torch.zeros((int(max_bs),), dtype=torch.float32, device=device)
+        self.uniforms = torch.zeros((int(max_bs), gamma), dtype=torch.float32, device=device)
+
+    def __call__(self, hidden_states: Tensor, input_ids: Tensor) -> None:
+        n = hidden_states.shape[0] // self.block_size
+        blocks = hidden_states.view(n, self.block_size, -1)
+        anchors = input_ids.view(n, self.block_size)[:, 0]
+        tokens, _, _ = self.draft_model.propose(blocks[:, 1:], anchors, self.temperatures[:n], self.uniforms[:n])
+        self.out[: tokens.numel()].copy_(tokens.reshape(-1))
+
+
+class DSpineWorkerV2(DFlashWorkerV2):
+    """The DSPINE worker (see the module docstring). SGLang builds it as
+    `DSpineWorkerV2(server_args=, gpu_id=, [ps=,] nccl_port=, target_worker=)`."""
 
     def __init__(self, *args, **kwargs) -> None:
-        raise NotImplementedError(
-            "DSpineWorkerV2 is a stub: the DSPINE SGLang worker is not implemented yet "
-            "(dspine/sglang/worker.py). --speculative-algorithm DSPINE cannot serve requests in this build.")
+        super().__init__(*args, **kwargs)
+        self._attach_target_to_draft()
+
+    def _attach_target_to_draft(self) -> None:
+        model = self.draft_model
+        if not isinstance(model, DSpineDraftModel):
+            raise TypeError(f"--speculative-algorithm DSPINE needs a DSpine draft checkpoint (architectures "
+                            f"[\"DSpineDraftModel\"]), got {type(model).__name__}")
+        hf_config = self.target_worker.model_runner.model_config.hf_config
+        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        check_target_compatible(model.dspine_config, text_config)  # vocab, hidden, layers, ids, mask id
+        target = self.target_worker.model_runner.model
+        head = compat.unwrap_lora_layer(getattr(target, "lm_head", None))
+        if head is None or not hasattr(head, "weight"):
+            raise RuntimeError("DSPINE needs the target model to expose `lm_head` with a dense `weight`")
+        model.attach_target_head(head, tp_group=compat.tp_group())
+        logger.info("DSPINE: target lm_head attached (selection=%s, injection=%s, block=%d, tp=%d, selector seam=%s).",
+                    model.dspine_config.selection, model.dspine_config.injection, model.block_size,
+                    int(getattr(compat.tp_group(), "world_size", 1)), compat.has_selector_seam())
+
+    def _dspine_selects(self) -> bool:
+        """DSpine's own sampler runs where SGLang has no selector seam and selection is on."""
+        return self.draft_model.candidate_selector is not None and not compat.has_selector_seam()
+
+    def forward_batch_generation(self, batch, *args, **kwargs):
+        self.draft_model.ensure_transfer_table(serving=True)
+        return super().forward_batch_generation(batch, *args, **kwargs)
+
+    # ---------------------------------------------------------------- token choice, 0.5.17
+    def _maybe_build_draft_sampler(self):
+        if not self._dspine_selects():
+            return super()._maybe_build_draft_sampler()
+        if compat.eager_draft_sampler_forced():
+            logger.info("DSPINE draft selection kept eager (SGLANG_DFLASH_EAGER_DRAFT_SAMPLER=1).")
+            return None
+        logger.info("DSPINE transition selection folded into the draft cuda graph.")
+        return DSpineDraftSampler(draft_model=self.draft_model, block_size=self.block_size,
+                                  max_bs=compat.decode_graph_max_bs(), device=self.device)
+
+    def _greedy_sample_from_vocab_parallel_head(self, *, hidden_states: Tensor, lm_head, chunk_size: int = 256):
+        if not self._dspine_selects():
+            return super()._greedy_sample_from_vocab_parallel_head(hidden_states=hidden_states, lm_head=lm_head,
+                                                                     chunk_size=chunk_size)
+        if hidden_states.numel() == 0:
+            return torch.empty((0,), dtype=torch.long, device=hidden_states.device)
+        gamma = int(self.block_size) - 1
+        bs = hidden_states.shape[0] // gamma
+        anchors = self._draft_block_ids_buf[:bs, 0]
+        zeros = torch.zeros((bs,), dtype=torch.float32, device=hidden_states.device)
+        uniforms = torch.zeros((bs, gamma), dtype=torch.float32, device=hidden_states.device)
+        tokens, _, _ = self.draft_model.propose(hidden_states.view(bs, gamma, -1), anchors, zeros, uniforms)
+        return tokens.reshape(-1)
+
+    # -------------------------------------------------------------------- ReplaySSM commit
+    def _update_target_mamba_state_after_verify(self, *, batch, seq_lens_pre_verify, commit_lens, **kwargs) -> None:
+        """0.5.17 passes (batch, seq_lens_pre_verify, commit_lens); 0.5.22 adds seq_lens_post_verify."""
+        if not self._need_mamba_verify_commit:
+            return
+        if not compat.replayssm_commit_active(self.target_worker):
+            return super()._update_target_mamba_state_after_verify(
+                batch=batch, seq_lens_pre_verify=seq_lens_pre_verify, commit_lens=commit_lens, **kwargs)
+        bs, width = int(commit_lens.shape[0]), int(self.block_size)
+        rows = torch.arange(bs, dtype=torch.int64, device=commit_lens.device)
+        accept_index = rows[:, None] * width + torch.arange(width, dtype=torch.int64, device=commit_lens.device)
+        # batch.seq_lens is still pre-verify here (the DFlash worker returns new_seq_lens instead).
+        compat.commit_mamba_states_after_verify(self.target_worker, batch, accept_lens=commit_lens,
+                                                accept_index=accept_index, draft_token_num=width)
