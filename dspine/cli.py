@@ -182,7 +182,7 @@ def _extra_command_modules():
     """Subcommands that live beside the code they drive (each module exposes `add_command`)."""
     import importlib
 
-    for name in ("dspine.serving_presets", "dspine.train.cli"):
+    for name in ("dspine.serving_presets", "dspine.train.cli", "dspine.sps_tuning"):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:

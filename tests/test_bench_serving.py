@@ -1,0 +1,261 @@
+"""scripts/bench_serving.py and scripts/openai_client_demo.py end to end against a stub server.
+
+The stub speaks the OpenAI chat-completions protocol (plain, SSE streaming, tools, SGLang's
+`return_meta_info`/`return_token_ids`, logprobs) on 127.0.0.1 at a free port, with deterministic
+outputs. Its "dspine" mode returns `spec_verify_ct` (accept length 2) and two planted divergences
+from the "ar" mode: one at a near-tie of the AR logprobs (gap 0.05 nats), one not (gap 2.9).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+EVAL_SETS = ("gsm8k", "math500", "humaneval", "mbpp", "sharegpt-heldout")
+NEAR_TIE_PROMPT, OTHER_PROMPT = "q-gsm8k-0", "q-math500-0"  # planted divergences
+NEAR_TIE_GAP, NORMAL_GAP = 0.05, 2.9
+
+
+def _load(name: str):
+    """A script as a module (registered in sys.modules, which its dataclasses need)."""
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# The stub server
+# ---------------------------------------------------------------------------------------------
+
+def stub_tokens(prompt: str, n: int, mode: str) -> tuple[list[int], list[list[float]]]:
+    """Greedy token ids and the (AR) top-2 logprobs per position for `prompt`."""
+    seed = hashlib.sha256(prompt.encode()).digest()
+    ids = [100 + seed[i % len(seed)] for i in range(n)]
+    top2 = [[-0.05, -0.05 - NORMAL_GAP] for _ in range(n)]
+    for planted, pos, gap in ((NEAR_TIE_PROMPT, 3, NEAR_TIE_GAP), (OTHER_PROMPT, 2, NORMAL_GAP)):
+        if prompt == planted and n > pos:
+            top2[pos] = [-0.6, -0.6 - gap]
+            if mode == "dspine":
+                ids[pos] += 1  # the runner-up (near-tie) or a real error (other)
+    return ids, top2
+
+
+def _text(ids: list[int]) -> list[str]:
+    return [f"t{i} " for i in ids]
+
+
+class StubHandler(BaseHTTPRequestHandler):
+    """One mode per server ("ar" or "dspine"), set on the server object."""
+
+    def log_message(self, *args):  # keep pytest output quiet
+        pass
+
+    def _json(self, payload: dict, code: int = 200) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/server_info":
+            return self._json({"version": "0.5.17-stub"})
+        self._json({"error": "not found"}, 404)
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/v1/chat/completions":
+            return self._json({"error": "not found"}, 404)
+        mode = self.server.mode
+        if mode == "dspine" and body.get("logprobs"):  # the benchmark asks only the AR server for them
+            return self._json({"error": "logprobs not expected on the speculative server"}, 400)
+        prompt = body["messages"][-1]["content"]
+        ids, top2 = stub_tokens(prompt, body.get("max_tokens") or 16, mode)
+        if body.get("tools"):
+            return self._json(self._tool_call())
+        if body.get("stream"):
+            return self._stream(ids, body)
+        self._json(self._complete(ids, top2, body, mode))
+
+    @staticmethod
+    def _tool_call() -> dict:
+        call = {"id": "call_0", "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
+        return {"id": "x", "object": "chat.completion", "created": 0, "model": "stub",
+                "choices": [{"index": 0, "finish_reason": "tool_calls",
+                             "message": {"role": "assistant", "content": None, "tool_calls": [call]}}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}}
+
+    def _complete(self, ids, top2, body, mode) -> dict:
+        pieces = _text(ids)
+        choice = {"index": 0, "finish_reason": "length",
+                  "message": {"role": "assistant", "content": "".join(pieces)}}
+        if body.get("return_meta_info"):
+            meta = {"completion_tokens": len(ids), "prompt_tokens": 5}
+            if mode == "dspine":
+                meta.update(spec_verify_ct=len(ids) // 2, spec_accept_length=2.0)
+            choice["meta_info"] = meta
+        if body.get("return_token_ids"):
+            choice["token_ids"] = ids
+        if body.get("logprobs"):
+            choice["logprobs"] = {"content": [
+                {"token": p, "logprob": lp[0], "top_logprobs": [{"token": p, "logprob": lp[0]},
+                                                                {"token": "alt", "logprob": lp[1]}]}
+                for p, lp in zip(pieces, top2)]}
+        return {"id": "x", "object": "chat.completion", "created": 0, "model": "stub", "choices": [choice],
+                "usage": {"prompt_tokens": 5, "completion_tokens": len(ids), "total_tokens": 5 + len(ids)}}
+
+    def _stream(self, ids, body) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        pieces = _text(ids) + ([" extra"] if self.server.mode == "broken" else [])
+
+        def chunk(choices, usage=None):
+            payload = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "stub",
+                       "choices": choices, **({"usage": usage} if usage else {})}
+            self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
+            self.wfile.flush()
+
+        chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        for piece in pieces:
+            chunk([{"index": 0, "delta": {"content": piece}, "finish_reason": None}])
+        chunk([{"index": 0, "delta": {}, "finish_reason": "length"}])
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunk([], {"prompt_tokens": 5, "completion_tokens": len(ids), "total_tokens": 5 + len(ids)})
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+@pytest.fixture
+def stub_server():
+    """Start stub servers by mode; yields `start(mode) -> base URL`; all are shut down after."""
+    servers = []
+
+    def start(mode: str) -> str:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), StubHandler)
+        server.daemon_threads = True
+        server.mode = mode
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def prompts_dir(tmp_path, monkeypatch):
+    """`$DSPINE_PROMPTS_DIR` exports with 4 prompts per evaluation set ("q-<set>-<i>")."""
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    for name in EVAL_SETS:
+        rows = [{"id": f"{name}/{i}", "source": name, "messages": [{"role": "user", "content": f"q-{name}-{i}"}]}
+                for i in range(4)]
+        (folder / f"eval-{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setenv("DSPINE_PROMPTS_DIR", str(folder))
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_serving.py
+# ---------------------------------------------------------------------------------------------
+
+def test_bench_serving_end_to_end(stub_server, prompts_dir, tmp_path):
+    bench = _load("bench_serving")
+    ar, dspine = stub_server("ar"), stub_server("dspine")
+    out = tmp_path / "results"
+    rc = bench.main(["--url", f"AR={ar}", "--url", f"DSPINE={dspine}", "--url", f"DSPINE-ablation={dspine}",
+                     "--ablation-draft", "ablation-ckpt", "--prompts", "12", "--max-tokens", "8",
+                     "--concurrency", "1,4", "--out-dir", str(out)])
+    assert rc == 0
+    results = json.loads((out / "serving_h200.json").read_text())
+    bench.check_schema(results, bench.RESULTS_SCHEMA)
+    assert results["sglang"] == "0.5.17-stub"
+
+    runs = {(r["algorithm"], r["concurrency"]): r for r in results["runs"]}
+    assert set(runs) == {(a, c) for a in bench.ALGORITHMS for c in (1, 4)}
+    assert all(runs[("AR", c)]["accept_len"] == 1.0 for c in (1, 4))
+    assert all(runs[(a, c)]["accept_len"] == 2.0 for a in ("DSPINE", "DSPINE-ablation") for c in (1, 4))
+    assert all(r["output_tok_per_s"] > 0 and r["ttft_ms"] > 0 for r in results["runs"])
+    assert all(lv["completion_tokens"] == 12 * 8 for lv in results["levels"])
+
+    parity = results["parity"]
+    assert (parity["prompts"], parity["identical"], parity["near_tie_divergences"], parity["other_divergences"]) \
+        == (12, 10, 1, 1)
+    by_id = {d["id"]: d for d in parity["divergences"]}
+    assert by_id["gsm8k/0"]["kind"] == "near_tie" and by_id["gsm8k/0"]["position"] == 3
+    assert by_id["gsm8k/0"]["gap"] == pytest.approx(NEAR_TIE_GAP)
+    assert by_id["math500/0"]["kind"] == "other" and by_id["math500/0"]["position"] == 2
+
+    c = results["ceiling"]
+    assert c["accept_len"] == 2.0
+    assert c["speedup"] == pytest.approx(c["accept_len"] * c["t_step_ms"] / c["t_round_ms"])
+    assert c["achieved_fraction"] == pytest.approx(c["achieved_speedup"] / c["speedup"])
+    assert (out / "serving_h200.png").is_file() or not importlib.util.find_spec("matplotlib")
+
+
+def test_ceiling_arithmetic():
+    bench = _load("bench_serving")
+    ar = [bench.Reply(completion_tokens=100, wall_s=1.0), bench.Reply(completion_tokens=100, wall_s=1.0)]
+    spec = [bench.Reply(completion_tokens=100, wall_s=0.5, meta_info={"spec_verify_ct": 25}),
+            bench.Reply(completion_tokens=100, wall_s=0.5, meta_info={"spec_verify_ct": 25})]
+    c = bench.ceiling(ar, spec)
+    assert c["t_step_ms"] == pytest.approx(10.0)  # 2 s / 200 tokens
+    assert c["t_round_ms"] == pytest.approx(20.0)  # 1 s / 50 verify steps
+    assert c["accept_len"] == pytest.approx(4.0)
+    assert c["speedup"] == pytest.approx(2.0)  # 4 tokens per 20 ms round vs 10 ms per token
+    with pytest.raises(bench.BenchError, match="spec_verify_ct"):
+        bench.ceiling(ar, ar)
+
+
+def test_classify_prefix_and_missing_logprobs():
+    bench = _load("bench_serving")
+    ar = bench.Reply(3, 0.1, token_ids=[1, 2, 3], top2=[[-0.1, -0.12]] * 3)
+    assert bench.classify(ar, bench.Reply(3, 0.1, token_ids=[1, 2, 3]), 0.1)["kind"] == "identical"
+    early_stop = bench.classify(ar, bench.Reply(2, 0.1, token_ids=[1, 2]), 0.1)  # DSPINE ended at position 2
+    assert (early_stop["kind"], early_stop["position"]) == ("near_tie", 2)
+    ar_short = bench.Reply(2, 0.1, token_ids=[1, 2], top2=[[-0.1, -0.12]] * 2)
+    assert bench.classify(ar_short, bench.Reply(3, 0.1, token_ids=[1, 2, 3]), 0.1)["kind"] == "other"
+
+
+def test_schema_check_rejects_missing_and_mistyped():
+    bench = _load("bench_serving")
+    with pytest.raises(bench.BenchError, match="missing key 'parity'"):
+        bench.check_schema({k: "x" for k in ("device", "date", "sglang", "target", "drafter", "command")}
+                           | {"runs": [], "ceiling": {"t_step_ms": 1, "t_round_ms": 1, "accept_len": 1,
+                                                       "speedup": 1}}, bench.RESULTS_SCHEMA)
+    with pytest.raises(bench.BenchError, match=r"runs\[0\].concurrency"):
+        bench.check_schema([{"concurrency": 1.5}], [{"concurrency": int}], "runs")
+
+
+# ---------------------------------------------------------------------------------------------
+# openai_client_demo.py
+# ---------------------------------------------------------------------------------------------
+
+def test_openai_client_demo(stub_server, capsys):
+    pytest.importorskip("openai")
+    demo = _load("openai_client_demo")
+    assert demo.main(["--base-url", stub_server("ar") + "/v1", "--max-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "identical to the non-streamed answer" in out
+    assert 'tool call: get_weather({"city": "Paris"})' in out
+
+
+def test_openai_client_demo_reports_stream_mismatch(stub_server, capsys):
+    pytest.importorskip("openai")
+    demo = _load("openai_client_demo")
+    assert demo.main(["--base-url", stub_server("broken") + "/v1", "--max-tokens", "6"]) == 1
+    assert "streamed text differs" in capsys.readouterr().err

@@ -1,0 +1,179 @@
+"""`dspine tune-sps` end to end against a stub server on 127.0.0.1 (synthetic step times)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from dspine.cli import main as dspine_main
+from dspine.dynamic_verification import PositionCalibration, SpsCostTable, load_sps_table
+from dspine.sps_tuning import fit_additive, new_step_times
+
+TRACE = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "sharegpt_dev.jsonl"
+VERIFY = 4           # stub's speculative_num_draft_tokens
+TOKENS = 6           # completion tokens per stub request
+TRUE_TEMPS = [0.5, 1.0, 2.0]
+
+
+def step_seconds(bs: int) -> float:
+    """The stub's step time at batch size bs: the steps/s curve the table must reproduce."""
+    return 0.002 + 0.0005 * bs
+
+
+class Stub:
+    """/v1/chat/completions sleeps TOKENS steps at the batch size in flight when it arrives and
+    records that step time in step_time_dict (when `record`); /generate returns DSPINE meta_info."""
+
+    def __init__(self, record: bool):
+        self.record, self.lock, self.inflight = record, threading.Lock(), 0
+        self.step_times: dict[str, list[float]] = {}
+        self.chat_calls = self.generate_calls = 0
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path != "/server_info":
+                    self.send_error(404)
+                    return
+                with stub.lock:
+                    state = {"step_time_dict": {k: list(v) for k, v in stub.step_times.items()}} if stub.record else {}
+                self._send({"version": "0.5.22-stub", "model_path": "stub/target", "speculative_algorithm": "DSPINE",
+                            "speculative_draft_model_path": "stub/drafter", "speculative_num_draft_tokens": VERIFY,
+                            "dp_size": 1, "tp_size": 1, "cuda_graph_max_bs": 8, "gpu_name": "Stub GPU",
+                            "internal_states": [state]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/v1/chat/completions":
+                    with stub.lock:
+                        stub.chat_calls += 1
+                        stub.inflight += 1
+                        bs = stub.inflight
+                        if stub.record:
+                            stub.step_times.setdefault(str(bs), []).append(step_seconds(bs))
+                    tokens = min(body.get("max_tokens", TOKENS), TOKENS)
+                    time.sleep(tokens * step_seconds(bs))
+                    with stub.lock:
+                        stub.inflight -= 1
+                    self._send({"choices": [{"message": {"role": "assistant", "content": "x"}}],
+                                "usage": {"completion_tokens": tokens}})
+                elif self.path == "/generate":
+                    with stub.lock:
+                        stub.generate_calls += 1
+                    rng = random.Random(stub.generate_calls)
+                    logits = [[rng.gauss(0, 2) for _ in TRUE_TEMPS] for _ in range(20)]
+                    accept = []
+                    for row in logits:
+                        n = 0
+                        while n < len(row) and rng.random() < 1 / (1 + math.exp(-row[n] / TRUE_TEMPS[n])):
+                            n += 1
+                        accept.append(n)
+                    self._send({"text": "x", "meta_info": {"completion_tokens": 20 + sum(accept), "spec_verify_ct": 20,
+                                                           "dspine_confidence_logits": logits,
+                                                           "dspine_accept_lens": accept}})
+                else:
+                    self.send_error(404)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stub(request):
+    server = Stub(record=request.param)
+    yield server
+    server.close()
+
+
+def tune(stub, out, *extra):
+    return dspine_main(["tune-sps", "--url", stub.url, "--traces", str(TRACE), "--out", str(out), "--quiet",
+                        "--requests-per-level", "8", "--max-tokens", "32", *extra])
+
+
+@pytest.mark.parametrize("stub", [True], indirect=True)
+def test_server_step_times_resume_manifest_and_command(stub, tmp_path, capsys):
+    out = tmp_path / "sps"
+    assert tune(stub, out, "--concurrencies", "1,2", "--acceptance-requests", "4") == 0
+    first = capsys.readouterr().out
+    table = load_sps_table(out / "sps_table.json")
+    assert isinstance(table, SpsCostTable) and table.sample_batch_tokens[0] == VERIFY
+    for tokens, sps in zip(table.sample_batch_tokens, table.sample_steps_per_sec):
+        assert sps == pytest.approx(1 / step_seconds(tokens // VERIFY), rel=1e-9)   # the stub's exact curve
+    assert table.max_batch_tokens == 8 * VERIFY                                  # cuda_graph_max_bs x verify
+    rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    assert {r["source"] for r in rows} == {"server_step_time"}
+    assert set(rows[0]) >= {"batch_size_per_rank", "batch_tokens", "steps_per_sec", "frac"}
+    assert f"--speculative-dspark-sps-table-path {(out / 'sps_table.json').resolve()}" in first
+    assert f"--speculative-dspark-confidence-sts-path {(out / 'sts.json').resolve()}" in first
+
+    cal = PositionCalibration.load(out / "sts.json")
+    assert len(cal.temperatures) == len(TRUE_TEMPS) and cal.temperatures[0] < cal.temperatures[-1]
+    manifest = json.loads((out / "manifest.json").read_text())
+    for key in ("created", "gpu", "sglang_version", "target", "drafter", "flags", "cuda_graph_sizes", "traces",
+                "concurrencies", "timing", "serve_command"):
+        assert manifest[key] not in (None, "", [], {}), key
+    assert manifest["gpu"] == "Stub GPU" and manifest["traces"][0]["sha256"]
+    assert (out / "sps.png").stat().st_size > 0 and (out / "calibration.png").is_file()
+
+    calls = stub.chat_calls, stub.generate_calls
+    assert tune(stub, out, "--concurrencies", "1,2,4") == 0                     # resume: only level 4 runs
+    assert stub.chat_calls - calls[0] == 8 and stub.generate_calls == calls[1]
+    assert "already in" in capsys.readouterr().err
+    assert json.loads((out / "manifest.json").read_text())["concurrencies"] == [1, 2, 4]
+    assert tune(stub, out, "--concurrencies", "1", "--restart", "--acceptance-requests", "0") == 0
+    assert {json.loads(line)["concurrency"] for line in (out / "rounds.jsonl").read_text().splitlines()} == {1}
+
+
+@pytest.mark.parametrize("stub", [False], indirect=True)
+def test_client_timing_without_step_time_dict(stub, tmp_path, capsys):
+    out = tmp_path / "sps"
+    assert tune(stub, out, "--concurrencies", "1,4", "--acceptance-requests", "0") == 0
+    table = load_sps_table(out / "sps_table.json")
+    assert table.sample_batch_tokens == (VERIFY, 4 * VERIFY)
+    for tokens, sps in zip(table.sample_batch_tokens, table.sample_steps_per_sec):
+        assert sps == pytest.approx(1 / step_seconds(tokens // VERIFY), rel=0.35)   # HTTP overhead, busy CPU
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["timing"] == {"1": "client_timing", "4": "client_timing"}
+    assert any("client-side" in n for n in manifest["notes"]) and any("STS calibration skipped" in n
+                                                                      for n in manifest["notes"])
+    assert "client-side" in capsys.readouterr().err
+
+
+def test_additive_fit_recovers_known_costs():
+    rows = [{"batch_size_per_rank": bs, "batch_tokens": m, "steps_per_sec": 1 / (0.005 + 1e-4 * bs + 2e-5 * m),
+             "frac": m / (bs * 16)} for bs in (4, 8, 32) for m in (64, 128, 256, 512) if m <= bs * 16]
+    assert fit_additive([dict(r, frac=1.0) for r in rows]) is None                # diagonal-only: no fit
+    table = fit_additive(rows)
+    assert table.bs_probes == (4, 8, 32) and table.m_probes == (64, 128, 256, 512)
+    first = table.bias_seconds + table.alpha_seconds[0] + table.theta_seconds[0]
+    assert first == pytest.approx(0.005 + 4e-4 + 2e-5 * 64)
+    assert table.theta_seconds[-1] == pytest.approx(2e-5 * (512 - 64))
+    assert table.alpha_seconds[-1] == pytest.approx(1e-4 * 28)
+
+
+def test_new_step_times_diff():
+    assert new_step_times({1: [0.1]}, {1: [0.1, 0.2], 2: [0.3]}) == {1: [0.2], 2: [0.3]}
+    assert new_step_times({1: [0.1, 0.2]}, {1: [0.4]}) == {1: [0.4]}              # reset: all new
