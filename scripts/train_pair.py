@@ -12,6 +12,7 @@ exported checkpoint to `--out-dir`.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import shutil
 import sys
@@ -33,8 +34,10 @@ def _run(name: str, args, steps: int, **overrides) -> Path | None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log = json.loads((Path(cfg.run_dir) / "log.json").read_text())
-    (out / f"train_log_{name}.json").write_text(json.dumps({"config": vars(cfg), "wall_seconds": time.perf_counter() - t0,
-                                                             "log": log}, indent=1))
+    record = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                  timespec="seconds"), "command": " ".join(sys.argv), "torch": torch.__version__,
+              "config": vars(cfg), "wall_seconds": time.perf_counter() - t0, "log": log}
+    (out / f"train_log_{name}.json").write_text(json.dumps(record, indent=1))
     if export is not None and name == "dspine":  # only the shipped drafter comes back; the ablation stays out of git
         dest = out / f"ckpt_{name}"
         shutil.rmtree(dest, ignore_errors=True)
