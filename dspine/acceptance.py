@@ -59,7 +59,7 @@ def warp_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     return torch.where(greedy[:, None, None], one_hot, probs)
 
 
-def _sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+def sample_tokens(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """probs [n, V] -> samples [n]."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
@@ -78,7 +78,7 @@ def accept_tokens(proposals: Tensor, target_probs: Tensor, verify_lens: Tensor, 
     slots = torch.arange(n, device=proposals.device)
     p_tok = target_probs[:, :n].gather(-1, proposals[..., None]).squeeze(-1)          # [bs, N]
     if q is None:
-        target_samples = _sample(target_probs.reshape(-1, target_probs.shape[-1]), generator).view(bs, n + 1)
+        target_samples = sample_tokens(target_probs.reshape(-1, target_probs.shape[-1]), generator).view(bs, n + 1)
         ok = proposals == target_samples[:, :n]
     else:
         q_tok = (q * (cand_ids == proposals[..., None])).sum(-1)                       # [bs, N]
@@ -96,4 +96,4 @@ def accept_tokens(proposals: Tensor, target_probs: Tensor, verify_lens: Tensor, 
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
     bonus_dist = torch.where(rejected[:, None], residual, p_next)
-    return accept_len, _sample(bonus_dist, generator)
+    return accept_len, sample_tokens(bonus_dist, generator)

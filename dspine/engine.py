@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from dspine.acceptance import SamplingParams, accept_tokens, warp_probs
+from dspine.acceptance import SamplingParams, accept_tokens, sample_tokens, warp_probs
 from dspine.drafter import DSpineDraftModel
 from dspine.proposer import DSpineProposer, Proposal, Proposer
 from dspine.target_runner import TransformersTargetRunner, make_target_runner
@@ -113,7 +113,7 @@ def _generate_batch(target, proposer: Proposer | None, prompts: list[list[int]],
     step = runner.prefill(prompts)
     last = runner.lengths - 1
     rows_all = torch.arange(len(prompts), device=device)
-    anchor = _sample(warp_probs(step.logits[rows_all, last][:, None], params)[:, 0], generator)
+    anchor = sample_tokens(warp_probs(step.logits[rows_all, last][:, None], params)[:, 0], generator)
     out = [[int(a)] for a in anchor]
     if proposer is not None:
         ids = torch.zeros(len(prompts), int(runner.lengths.max()), dtype=torch.long, device=device)
@@ -137,7 +137,7 @@ def _generate_batch(target, proposer: Proposer | None, prompts: list[list[int]],
             active = [active[r] for r in keep_rows]
         if proposer is None:
             step = runner.verify(anchor[:, None])
-            anchor = _sample(warp_probs(step.logits, params)[:, 0], generator)
+            anchor = sample_tokens(warp_probs(step.logits, params)[:, 0], generator)
             runner.commit(torch.ones_like(anchor))
             emitted = [[int(a)] for a in anchor]
             _count(stats, len(active), [1] * len(active), None, None)
@@ -190,10 +190,6 @@ def _count(stats: GenerationStats, rows: int, emitted: list[int], accept_len: Te
     for j in range(n):
         stats.verified_per_position[j] += int((verify_lens > j).sum())
         stats.accepted_per_position[j] += int((accept_len > j).sum())
-
-
-def _sample(probs: Tensor, generator: torch.Generator) -> Tensor:
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def _finished(tokens: list[int], max_new: int, stops: list[int]) -> bool:
