@@ -4,8 +4,9 @@ For each server config (a set of extra sglang flags) the script starts the serve
 launcher, measures, stops it, and rewrites the results file after every measurement (a timeout
 leaves what was measured):
 
-* Throughput levels (concurrency 1, 4, 16, 64 by default): the prompts (a round-robin mix of the
-  five evaluation sets, `dspine.datasets.EVAL_SETS`) go to `/v1/chat/completions` (the server
+* Throughput levels (concurrency 1, 4, 16, 64 by default): max(--prompts, --waves x c) prompts (a
+  round-robin mix of the five evaluation sets, `dspine.datasets.EVAL_SETS`; several waves per
+  level, so that a level is not one burst timed by its longest request) go to `/v1/chat/completions` (the server
   applies the chat template) with temperature 0, fixed `max_tokens`, EOS honoured.
   output_tok_per_s = total completion tokens / wall time of the level. Even-numbered requests are
   streamed (`stream_options.include_usage`) and give TTFT (mean and p50: time to the first content
@@ -19,9 +20,13 @@ leaves what was measured):
   0.5.17 the choice's `meta_info` is the native `/generate` meta_info (`completion_tokens`,
   `spec_verify_ct`, ...). The DSPINE server's token ids are compared with the AR server's, prompt
   by prompt. At the first differing position the AR server's top-2 logprob gap decides: a gap
-  below `--near-tie-nats` (default 0.1 nats; bf16 rounding differences between plain decode and an
-  N-token verify flip choices this close, see shared/gpu/README.md) is a "near-tie" divergence,
-  anything else (a larger gap, or no AR logprobs there, e.g. AR stopped) is "other".
+  of at most `--near-tie-nats` is a "near-tie" divergence, anything else (a larger gap, or no AR
+  logprobs there, e.g. AR stopped) is "other". The default, 0.25 nats, is two bf16 steps: the
+  target's top logits (16-32 for SmolLM2) are bf16 numbers 0.125 apart, so a gap of 0, 0.125 or
+  0.25 means the two best tokens are adjacent or equal in bf16, and the different accumulation
+  order of an N-token verify against a 1-token decode flips such choices (shared/gpu/README.md:
+  SGLang's own DFLASH does the same). `gap_histogram` counts the gaps; `--reclassify` recomputes
+  the verdicts of a results file for another threshold from the stored gaps, without measuring.
 * Ceiling, from the non-streamed requests of the concurrency-1 level (one at a time, no logprobs):
   T_step = AR wall / AR completion tokens, T_round = DSPINE wall / DSPINE spec_verify_ct (client
   wall times, prefill and HTTP included on both sides), tau = DSPINE completion tokens /
@@ -262,22 +267,57 @@ def classify(ar: Reply, spec: Reply, near_tie_nats: float) -> dict:
     k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     top = ar.top2[k] if ar.top2 and k < len(ar.top2) else []
     gap = top[0] - top[1] if len(top) >= 2 else None
-    kind = "near_tie" if gap is not None and gap < near_tie_nats else "other"
-    return {"kind": kind, "position": k, "gap": gap}
+    return {"kind": verdict(gap, near_tie_nats), "position": k, "gap": gap}
+
+
+def verdict(gap: float | None, near_tie_nats: float) -> str:
+    """"near_tie" when the AR server's top-2 gap at the divergence is at most `near_tie_nats`."""
+    return "near_tie" if gap is not None and gap <= near_tie_nats + 1e-9 else "other"
+
+
+def gap_histogram(divergences: list[dict]) -> dict[str, int]:
+    """Divergences per AR top-2 gap (nats, 3 decimals; "none" where the AR server had no logprobs)."""
+    counts: dict[str, int] = {}
+    for d in divergences:
+        key = "none" if d["gap"] is None else f"{d['gap']:.3f}"
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def parity_summary(ar: list[Reply], spec: list[Reply], prompts: list[dict], near_tie_nats: float) -> dict:
     """The schema's parity counts, plus each divergence (prompt id, position, gap)."""
     verdicts = [classify(a, s, near_tie_nats) for a, s in zip(ar, spec)]
-    kinds = [v["kind"] for v in verdicts]
+    divergences = [{"id": p["id"], **v} for p, v in zip(prompts, verdicts) if v["kind"] != "identical"]
+    return summarize_parity(len(verdicts), divergences, near_tie_nats)
+
+
+def summarize_parity(prompts: int, divergences: list[dict], near_tie_nats: float) -> dict:
+    """The schema's counts for `divergences` (each with its "gap") judged at `near_tie_nats`."""
+    divergences = [{**d, "kind": verdict(d["gap"], near_tie_nats)} for d in divergences]
+    kinds = [d["kind"] for d in divergences]
     return {
-        "prompts": len(verdicts),
-        "identical": kinds.count("identical"),
+        "prompts": prompts,
+        "identical": prompts - len(divergences),
         "near_tie_divergences": kinds.count("near_tie"),
         "other_divergences": kinds.count("other"),
         "near_tie_nats": near_tie_nats,
-        "divergences": [{"id": p["id"], **v} for p, v in zip(prompts, verdicts) if v["kind"] != "identical"],
+        "gap_histogram": gap_histogram(divergences),
+        "divergences": divergences,
     }
+
+
+def reclassify(results: dict, near_tie_nats: float) -> dict:
+    """`results` with every parity block re-judged at `near_tie_nats` from its stored gaps (the
+    measurement is unchanged; the threshold used before is kept as `measured_near_tie_nats`)."""
+    for key in ("parity", "parity_ablation"):
+        block = results.get(key)
+        if not block or "divergences" not in block:
+            continue
+        first = block.get("measured_near_tie_nats", block.get("near_tie_nats"))
+        results[key] = {**summarize_parity(block["prompts"], block["divergences"], near_tie_nats),
+                        "measured_near_tie_nats": first}
+    results.setdefault("settings", {})["near_tie_nats"] = near_tie_nats
+    return results
 
 
 def ceiling(ar: list[Reply], spec: list[Reply]) -> dict:
@@ -432,12 +472,16 @@ def plot(results: dict, out_dir: Path) -> Path | None:
 # Main
 # ---------------------------------------------------------------------------------------------
 
+def level_prompts(args: argparse.Namespace, concurrency: int) -> int:
+    """Prompts sent at one concurrency level: at least --prompts, and --waves full waves."""
+    return max(args.prompts, args.waves * concurrency)
+
+
 def estimate_s(args: argparse.Namespace, n_configs: int, managed: bool) -> float:
     """Rough wall time: server starts/stops plus decode at an assumed `--assume-tok-per-s` per
     stream, concurrency c running c streams at once (an optimistic lower bound at high c)."""
-    tokens = args.prompts * args.max_tokens
-    levels = sum(tokens / (args.assume_tok_per_s * c) for c in args.concurrency)
-    per_config = levels + tokens / args.assume_tok_per_s  # + the concurrency-1 parity pass
+    levels = sum(level_prompts(args, c) * args.max_tokens / (args.assume_tok_per_s * c) for c in args.concurrency)
+    per_config = levels + args.prompts * args.max_tokens / args.assume_tok_per_s  # + the concurrency-1 parity pass
     return n_configs * (per_config + (SERVER_START_S + SERVER_STOP_S if managed else 0.0))
 
 
@@ -452,7 +496,7 @@ def measure_config(name: str, base: str, prompts: list[dict], args: argparse.Nam
     send_with_meta(base, chat_body(prompts[0], args), args.request_timeout)  # warm-up: first-request costs
     c1: list[Reply] = []
     for c in args.concurrency:
-        level, with_meta = run_level(base, prompts, c, args)
+        level, with_meta = run_level(base, prompts[:level_prompts(args, c)], c, args)
         c1 = with_meta if c == 1 else c1
         results["levels"].append({"algorithm": name, **level})
         results["runs"].append({"algorithm": name, "concurrency": c, "output_tok_per_s": level["output_tok_per_s"],
@@ -461,7 +505,7 @@ def measure_config(name: str, base: str, prompts: list[dict], args: argparse.Nam
         print(f"[{name}] c={c}: {level['output_tok_per_s']:.0f} tok/s, TTFT {level['ttft_ms']:.0f} ms "
               f"(p50 {level['ttft_p50_ms']:.0f}), accept {level['accept_len']:.2f}, {level['wall_s']:.1f} s", flush=True)
     t0 = time.perf_counter()
-    replies = parity_pass(base, prompts, args, logprobs=name == "AR")
+    replies = parity_pass(base, prompts[:args.prompts], args, logprobs=name == "AR")
     print(f"[{name}] parity pass: {len(replies)} prompts in {time.perf_counter() - t0:.1f} s", flush=True)
     return replies, c1
 
@@ -471,9 +515,10 @@ def finish_comparison(results: dict, passes: dict[str, list[Reply]], c1: dict[st
     """Parity and ceiling once the AR and DSPINE measurements are both in."""
     if "AR" not in passes or "DSPINE" not in passes:
         return
-    results["parity"] = parity_summary(passes["AR"], passes["DSPINE"], prompts, args.near_tie_nats)
+    parity_prompts = prompts[:args.prompts]
+    results["parity"] = parity_summary(passes["AR"], passes["DSPINE"], parity_prompts, args.near_tie_nats)
     if "DSPINE-ablation" in passes:
-        results["parity_ablation"] = parity_summary(passes["AR"], passes["DSPINE-ablation"], prompts,
+        results["parity_ablation"] = parity_summary(passes["AR"], passes["DSPINE-ablation"], parity_prompts,
                                                     args.near_tie_nats)
     try:
         if not c1["AR"] or not c1["DSPINE"]:
@@ -508,11 +553,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
-    p.add_argument("--near-tie-nats", type=float, default=0.1)
+    p.add_argument("--waves", type=int, default=4,
+                   help="each level sends at least waves x concurrency prompts (and at least --prompts)")
+    p.add_argument("--near-tie-nats", type=float, default=0.25,
+                   help="largest AR top-2 logprob gap (nats) at which a divergence counts as a bf16 near-tie")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--device", default="NVIDIA H200")
     p.add_argument("--assume-tok-per-s", type=float, default=500.0, help="per-stream decode rate for the estimate")
     p.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON in --out-dir")
+    p.add_argument("--reclassify", action="store_true",
+                   help="re-judge the parity of the JSON in --out-dir at --near-tie-nats (stored gaps; no server)")
     args = p.parse_args(argv)
     unknown = set(args.configs) - set(ALGORITHMS)
     if unknown:
@@ -532,10 +582,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_only:
         print(plot(json.loads((args.out_dir / f"{RESULTS_NAME}.json").read_text()), args.out_dir))
         return 0
+    if args.reclassify:
+        results = reclassify(json.loads((args.out_dir / f"{RESULTS_NAME}.json").read_text()), args.near_tie_nats)
+        path = write_results(results, args.out_dir)
+        print(json.dumps({k: {n: v for n, v in results[k].items() if n != "divergences"}
+                          for k in ("parity", "parity_ablation") if k in results}, indent=2))
+        print(f"wrote {path}")
+        return 0
     configs = server_configs(args)
     if "DSPINE-ablation" in args.configs and "DSPINE-ablation" not in configs:
         print("DSPINE-ablation skipped: no --ablation-draft given", flush=True)
-    prompts = load_prompt_mix(args.prompts)
+    prompts = load_prompt_mix(max(level_prompts(args, c) for c in [*args.concurrency, 1]))
     launcher = _launcher(args)
     est = estimate_s(args, len(configs), isinstance(launcher, ServeShLauncher))
     print(f"{len(configs)} config(s) x {args.prompts} prompts x {args.max_tokens} tokens at concurrency "

@@ -6,7 +6,7 @@ trains for exactly as many steps in a later call. Each phase copies its log and,
 exported checkpoint to `--out-dir`.
 
   python scripts/train_pair.py probe-and-train-dspine --data D --work W --out-dir O --dspine-seconds 300
-  python scripts/train_pair.py train-ablation --data D --work W --out-dir O
+  python scripts/train_pair.py train-ablation --data D --work W --out-dir O [--steps N]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _run(name: str, args, steps: int, **overrides) -> Path | None:
                   timespec="seconds"), "command": " ".join(sys.argv), "torch": torch.__version__,
               "config": vars(cfg), "wall_seconds": time.perf_counter() - t0, "log": log}
     (out / f"train_log_{name}.json").write_text(json.dumps(record, indent=1))
-    if export is not None and name == "dspine":  # only the shipped drafter comes back; the ablation stays out of git
+    if export is not None:  # the ablation's weights come back too, for serving; they stay out of git
         dest = out / f"ckpt_{name}"
         shutil.rmtree(dest, ignore_errors=True)
         shutil.copytree(export, dest)
@@ -54,6 +54,8 @@ def main() -> int:
     p.add_argument("--dspine-seconds", type=float, default=300)
     p.add_argument("--max-steps", type=int, default=3000)
     p.add_argument("--time-limit", type=float, default=None, help="hard stop (s); the run resumes when re-run")
+    p.add_argument("--steps", type=int, default=None,
+                   help="train-ablation: the DSpine run's step count (default: the probe's, from --work/steps.json)")
     args = p.parse_args()
     steps_file = Path(args.work) / "steps.json"
     if args.phase == "probe-and-train-dspine":
@@ -68,7 +70,9 @@ def main() -> int:
         torch.cuda.empty_cache()
         _run("dspine", args, steps)
     else:
-        steps = json.loads(steps_file.read_text())["steps"]
+        if args.steps is None and not steps_file.is_file():
+            p.error(f"{steps_file} is missing (the probe ran on another host?): pass --steps, the DSpine run's count")
+        steps = args.steps if args.steps is not None else json.loads(steps_file.read_text())["steps"]
         _run("ablation", args, steps)
     return 0
 

@@ -190,7 +190,9 @@ def test_bench_serving_end_to_end(stub_server, prompts_dir, tmp_path):
     assert all(runs[("AR", c)]["accept_len"] == 1.0 for c in (1, 4))
     assert all(runs[(a, c)]["accept_len"] == 2.0 for a in ("DSPINE", "DSPINE-ablation") for c in (1, 4))
     assert all(r["output_tok_per_s"] > 0 and r["ttft_ms"] > 0 for r in results["runs"])
-    assert all(lv["completion_tokens"] == 12 * 8 for lv in results["levels"])
+    # --waves 4: the concurrency-4 level sends 16 prompts (4 full waves), more than --prompts 12
+    assert [(lv["concurrency"], lv["completion_tokens"]) for lv in results["levels"]] \
+        == [(1, 12 * 8), (4, 16 * 8)] * 3
 
     parity = results["parity"]
     assert (parity["prompts"], parity["identical"], parity["near_tie_divergences"], parity["other_divergences"]) \
@@ -199,6 +201,14 @@ def test_bench_serving_end_to_end(stub_server, prompts_dir, tmp_path):
     assert by_id["gsm8k/0"]["kind"] == "near_tie" and by_id["gsm8k/0"]["position"] == 3
     assert by_id["gsm8k/0"]["gap"] == pytest.approx(NEAR_TIE_GAP)
     assert by_id["math500/0"]["kind"] == "other" and by_id["math500/0"]["position"] == 2
+    assert parity["gap_histogram"] == {f"{NEAR_TIE_GAP:.3f}": 1, f"{NORMAL_GAP:.3f}": 1}
+
+    # re-judged at a threshold below the planted near-tie: same measurement, both now "other"
+    assert bench.main(["--reclassify", "--near-tie-nats", "0.01", "--out-dir", str(out)]) == 0
+    again = json.loads((out / "serving_h200.json").read_text())
+    assert (again["parity"]["near_tie_divergences"], again["parity"]["other_divergences"]) == (0, 2)
+    assert again["parity"]["measured_near_tie_nats"] == 0.25 and again["parity"]["near_tie_nats"] == 0.01
+    assert again["runs"] == results["runs"]
 
     c = results["ceiling"]
     assert c["accept_len"] == 2.0
@@ -229,6 +239,13 @@ def test_classify_prefix_and_missing_logprobs():
     assert (early_stop["kind"], early_stop["position"]) == ("near_tie", 2)
     ar_short = bench.Reply(2, 0.1, token_ids=[1, 2], top2=[[-0.1, -0.12]] * 2)
     assert bench.classify(ar_short, bench.Reply(3, 0.1, token_ids=[1, 2, 3]), 0.1)["kind"] == "other"
+
+
+def test_near_tie_threshold_is_inclusive_and_bf16_sized():
+    bench = _load("bench_serving")
+    assert bench.parse_args([]).near_tie_nats == 0.25  # two bf16 steps of a logit in [16, 32)
+    assert [bench.verdict(g, 0.25) for g in (0.0, 0.125, 0.25, 0.375, None)] \
+        == ["near_tie", "near_tie", "near_tie", "other", "other"]
 
 
 def test_schema_check_rejects_missing_and_mistyped():

