@@ -21,8 +21,9 @@ unless `--restart`):
 * `sps_table.json`: the diagonal table (median steps/s per batch_tokens); `sps_table_additive.json`
   too when rounds hold off-diagonal cells (frac < 1, e.g. merged from SGLang's profiler).
 * `acceptance.jsonl` + `sts.json`: per-position calibration, fitted when `/generate` responses
-  carry per-step `meta_info.dspine_confidence_logits [steps][N]` and `dspine_accept_lens [steps]`;
-  otherwise skipped with a note in the manifest.
+  carry per-step `meta_info.dspine_confidence_logits [steps][N]` and `dspine_accept_lens [steps]`
+  (a DSPINE server started with `DSPINE_RECORD_CONFIDENCE=1`, as `--preset` does; the worker adds
+  no host sync for it); otherwise skipped with a note in the manifest.
 * `manifest.json`, `sps.png` (+ `calibration.png`; skipped without matplotlib), and the
   `dspine serve` command that uses them, printed last.
 """
@@ -349,7 +350,8 @@ def free_port() -> int:
 
 @contextmanager
 def launched_server(preset: str, serve_args: list[str], log_path: Path, startup_timeout: float):
-    """Start `dspine serve --preset` (its command builder, SGLANG_RECORD_STEP_TIME=1) on a free
+    """Start `dspine serve --preset` (its command builder, SGLANG_RECORD_STEP_TIME=1 and
+    DSPINE_RECORD_CONFIDENCE=1) on a free
     loopback port, wait until /server_info answers, yield the URL, stop the process group after."""
     from dspine.serving_presets import build_serve_command, load_preset
 
@@ -358,7 +360,7 @@ def launched_server(preset: str, serve_args: list[str], log_path: Path, startup_
     if command.errors:
         raise TuningError("dspine serve would refuse this preset: " + "; ".join(command.errors))
     print(command.render(), file=sys.stderr)
-    env = {**os.environ, **command.env, "SGLANG_RECORD_STEP_TIME": "1"}
+    env = {**os.environ, **command.env, "SGLANG_RECORD_STEP_TIME": "1", "DSPINE_RECORD_CONFIDENCE": "1"}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command.argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url, client = f"http://127.0.0.1:{port}", Client(f"http://127.0.0.1:{port}", timeout=5)
@@ -471,7 +473,8 @@ def tune(args, url: str, requests: list[TraceRequest]) -> int:
         files["sts"] = STS
     else:
         notes.append("STS calibration skipped: /generate meta_info has no per-step dspine_confidence_logits / "
-                     "dspine_accept_lens" if records else "STS calibration skipped: --acceptance-requests 0")
+                     "dspine_accept_lens (start the DSPINE server with DSPINE_RECORD_CONFIDENCE=1)"
+                     if records else "STS calibration skipped: --acceptance-requests 0")
 
     try:
         for name in plot_outputs(out, rounds, table, calibration):

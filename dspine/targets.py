@@ -70,18 +70,42 @@ def load_target(
     with `dtype`; the tokenizer always has a chat template.
     """
     spec = spec or DEFAULT_TARGET
+    return _load_dir(target_dir(spec), spec, dtype, device)
+
+
+def target_dir(spec: str | None = None) -> Path:
+    """The local directory of target `spec`: the bundled SmolLM2 (converted on first use), a
+    local directory, or a hub snapshot."""
+    spec = spec or DEFAULT_TARGET
     if spec == DEFAULT_TARGET:
-        path = smollm2_dir()
-    elif Path(spec).expanduser().is_dir():
-        path = Path(spec).expanduser()
-    elif spec.startswith(("/", ".", "~")):
+        return smollm2_dir()
+    if Path(spec).expanduser().is_dir():
+        return Path(spec).expanduser()
+    if spec.startswith(("/", ".", "~")):
         raise TargetLoadError(
             f"target {spec!r} looks like a path but is not a directory; pass an existing Hugging "
             f"Face model directory, or {DEFAULT_TARGET!r} for the bundled SmolLM2."
         )
-    else:
-        path = _hub_snapshot(spec)
-    return _load_dir(path, spec, dtype, device)
+    return _hub_snapshot(spec)
+
+
+def load_tokenizer(spec: str | None = None) -> tuple[PreTrainedTokenizerBase, list[int]]:
+    """`(tokenizer, stop token ids)` of target `spec` without loading its weights (for work that
+    a server does, e.g. `dspine gen-data --server`)."""
+    path = target_dir(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise TargetLoadError(f"target {spec!r} ({path}) has no loadable tokenizer/config: {e}") from e
+    if not tokenizer.chat_template:
+        raise TargetLoadError(f"target {spec!r} ({path}) has no chat template; use an instruct/chat checkpoint.")
+    try:
+        generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        generation_config = None
+    holder = type("ConfigOnly", (), {"config": config, "generation_config": generation_config})()
+    return tokenizer, stop_token_ids(tokenizer, holder)
 
 
 def smollm2_dir() -> Path:
@@ -274,7 +298,8 @@ def chat_prompt_ids(
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
     """Ids that end generation: generation-config eos ids, the tokenizer's eos, and end-of-turn
-    markers the tokenizer has (e.g. `<|im_end|>`). Ordered, without duplicates."""
+    markers the tokenizer has (e.g. `<|im_end|>`). Ordered, without duplicates. `model` needs
+    only `config` and `generation_config` (None allowed)."""
     ids: list[int | None] = []
     for source in (getattr(model, "generation_config", None), model.config):
         eos = getattr(source, "eos_token_id", None)

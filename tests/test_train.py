@@ -73,3 +73,13 @@ def test_training_reduces_loss_resumes_and_exports(tmp_path, tiny_target_dir):
         assert key in log[-1]
     model = load_checkpoint(export)
     assert model.config.block_size == 4 and model.config.injection
+
+
+def test_profile_reports_the_step_and_touches_no_run_dir(tmp_path, tiny_target_dir):
+    from dspine.train.profile import profile_training
+
+    cfg = _config(tmp_path, tiny_target_dir, steps=30)
+    report = profile_training(cfg, device="cpu", steps=1, warmup=1, rows=10)
+    assert report.startswith("dspine train --profile-steps 1: ") and "ms per step" in report
+    assert "aten::" in report and "Self CPU time total" in report  # the operator table
+    assert not (tmp_path / "run").exists()

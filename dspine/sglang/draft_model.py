@@ -37,7 +37,10 @@ What DSpine adds, and only here:
 - **Strict weights**: `load_weights` maps and loads every tensor of the checkpoint (Qwen3-style
   names, q/k/v and gate/up stacked) and raises naming every unexpected tensor and every parameter
   left unloaded (DFlash silently ignores unknown names).
-- The confidence head is loaded (coverage) for dynamic verification; nothing reads it yet.
+- **Confidence**: the confidence head's per-position logits are written, next to the candidates
+  (`compute_candidates`, so in the draft graph in every SGLang version), into a static buffer the
+  worker allocates with `enable_confidence_record` when `DSPINE_RECORD_CONFIDENCE=1`; the worker
+  returns them per request in `meta_info` for `dspine tune-sps`'s calibration.
 
 `config.json` must mirror `block_size`, `target_layer_ids`, `num_target_layers` and
 `mask_token_id` into a `dflash_config` block: SGLang reads those (also for the target's hidden-state
@@ -305,7 +308,8 @@ class DSpineDraftModel(_DFlashDraftModel):
         self.lm_head = None  # 0.5.22's worker points it at the target head before capture
         # Target tensors are referenced, never registered (not part of this model's weights).
         self.__dict__.update(_target_head=None, _tp_group=None, _table=None, _table_key=None, _served=False,
-                             _weights_loaded=False, _sglang_candidate_topk=compat.sglang_candidate_topk())
+                             _weights_loaded=False, _sglang_candidate_topk=compat.sglang_candidate_topk(),
+                             _confidence_buf=None)
         self._warn_if_window_differs()
 
     # ------------------------------------------------------------------------ block size
@@ -399,7 +403,9 @@ class DSpineDraftModel(_DFlashDraftModel):
 
     # ------------------------------------------------------------------------ candidates
     def compute_candidates(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        """SGLang's selector seam: hidden [M, H] -> global (candidate ids [M, K], unary logits fp32)."""
+        """SGLang's selector seam: hidden [M, H] -> global (candidate ids [M, K], unary logits fp32).
+        Also records the rows' confidence logits when recording is on (`enable_confidence_record`)."""
+        self.record_confidence(hidden)
         k = self.candidate_selector.top_k
         head = self.target_head
         sglang_topk = self._sglang_candidate_topk
@@ -456,8 +462,32 @@ class DSpineDraftModel(_DFlashDraftModel):
         return LogitsProcessorOutput(next_token_logits=None, hidden_states=self.norm(x))
 
     def confidence_logits(self, hidden: Tensor) -> Optional[Tensor]:
-        """Raw per-position acceptance logits (for dynamic verification; unused so far)."""
+        """Raw per-position acceptance logits [...] for hidden [..., H] (None without a confidence head)."""
         return None if self.confidence is None else self.confidence(hidden.to(self.confidence.weight.dtype)).squeeze(-1)
+
+    def enable_confidence_record(self, max_rows: int, device) -> bool:
+        """Allocate the static buffer `compute_candidates` writes confidence logits into (call before
+        graph capture). False when this drafter has no confidence head or no transition selection
+        (the argmax ablation's tokens come from SGLang's own head, which never calls
+        `compute_candidates`)."""
+        if self.confidence is None or self.candidate_selector is None:
+            return False
+        self.__dict__["_confidence_buf"] = torch.zeros(int(max_rows), dtype=torch.float32, device=device)
+        return True
+
+    def record_confidence(self, hidden: Tensor) -> None:
+        """Confidence logits of the M proposal rows of `hidden` [M, H] into the buffer's first M
+        entries (row-major [blocks, N-1]); a no-op when recording is off or M exceeds the buffer."""
+        buf = self._confidence_buf
+        if buf is not None and hidden.shape[0] <= buf.shape[0]:
+            buf[: hidden.shape[0]].copy_(self.confidence_logits(hidden).float())
+
+    def recorded_confidence(self, blocks: int) -> Optional[Tensor]:
+        """The last recorded confidence logits as [blocks, N-1] (a view of the buffer), or None."""
+        buf, gamma = self._confidence_buf, self.block_size - 1
+        if buf is None or blocks * gamma > buf.shape[0]:
+            return None
+        return buf[: blocks * gamma].view(blocks, gamma)
 
     # ------------------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:

@@ -22,6 +22,13 @@ injection); this worker only overrides the smallest seams around it:
   reads q, and whose acceptance is highest for the most likely path.
   With `selection="argmax"` (the ablation) the model has no selector and SGLang's own argmax head
   runs in every version.
+- Confidence record (`DSPINE_RECORD_CONFIDENCE=1` in the server's environment; off by default):
+  the draft model writes its confidence logits next to the candidates (in the draft graph); after
+  each verify step the worker hands them, with the accepted-draft counts, to SGLang's
+  `customized_info` channel, so every `/generate` response carries
+  `meta_info.dspine_confidence_logits [steps][N-1]` and `meta_info.dspine_accept_lens [steps]`,
+  the input of `dspine tune-sps`'s per-position calibration. The device-to-host copies ride on the
+  step's stream (no host sync in the worker); the rows are read when SGLang processes the result.
 - `_update_target_mamba_state_after_verify`: on ReplaySSM targets route the commit through
   `spec_utils.commit_mamba_states_after_verify` (advances the GDN ring cursors, which the DFlash
   worker's backend call does not); otherwise DFlash's own commit.
@@ -30,6 +37,8 @@ injection); this worker only overrides the smallest seams around it:
 from __future__ import annotations
 
 import logging
+import os
+from typing import Optional
 
 import torch
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
@@ -40,6 +49,57 @@ from dspine.sglang import compat
 from dspine.sglang.draft_model import DSpineDraftModel
 
 logger = logging.getLogger(__name__)
+
+RECORD_CONFIDENCE_ENV = "DSPINE_RECORD_CONFIDENCE"
+
+
+class HostRows:
+    """Per-request rows of a device-to-host copy, for SGLang's `customized_info` (which takes
+    `value[i]` per request and calls its `.copy()` once the step's result is processed): each row
+    becomes a plain list (JSON in `meta_info`) only then, after `done` (the copy) has completed."""
+
+    def __init__(self, host: Tensor, done: Optional["torch.cuda.Event"]) -> None:
+        self.host, self.done = host, done
+
+    def __len__(self) -> int:
+        return int(self.host.shape[0])
+
+    def __getitem__(self, i: int) -> "_HostRow":
+        return _HostRow(self, int(i))
+
+
+class _HostRow:
+    def __init__(self, rows: HostRows, i: int) -> None:
+        self.rows, self.i = rows, i
+
+    def copy(self):
+        if self.rows.done is not None:
+            self.rows.done.synchronize()
+        return self.rows.host[self.i].tolist()
+
+
+def attach_confidence_record(result, draft_model: DSpineDraftModel) -> bool:
+    """Put the step's confidence logits [bs, N-1] and accepted-draft counts [bs] (SGLang's
+    `accept_lens` are commit lengths: accepted + 1) into `result.logits_output.customized_info`.
+    False (nothing attached) for results without a verify (prefill, idle) or without a record."""
+    commit = getattr(result, "accept_lens", None)
+    logits_output = getattr(result, "logits_output", None)
+    if commit is None or logits_output is None or commit.numel() == 0:
+        return False
+    confidence = draft_model.recorded_confidence(int(commit.shape[0]))
+    if confidence is None:
+        return False
+    host_confidence = confidence.to("cpu", non_blocking=True)
+    host_accepted = (commit.to(torch.int64) - 1).to("cpu", non_blocking=True)
+    done = None
+    if confidence.is_cuda:
+        done = torch.cuda.Event()
+        done.record()
+    info = dict(getattr(logits_output, "customized_info", None) or {})
+    info.update(dspine_confidence_logits=HostRows(host_confidence, done),
+                dspine_accept_lens=HostRows(host_accepted, done))
+    logits_output.customized_info = info
+    return True
 
 
 class DSpineDraftSampler:
@@ -87,6 +147,18 @@ class DSpineWorkerV2(DFlashWorkerV2):
         if head is None or not hasattr(head, "weight"):
             raise RuntimeError("DSPINE needs the target model to expose `lm_head` with a dense `weight`")
         model.attach_target_head(head, tp_group=compat.tp_group())
+        self._dspine_record_confidence = False
+        if os.environ.get(RECORD_CONFIDENCE_ENV, "0") not in ("", "0"):
+            requests = compat.server_args_value(self.server_args, "max_running_requests") or 0
+            rows = max(int(requests), compat.decode_graph_max_bs(), 1) * (int(model.block_size) - 1)
+            self._dspine_record_confidence = model.enable_confidence_record(rows, head.weight.device)
+            if not self._dspine_record_confidence:
+                logger.warning("DSPINE: %s=1 but this drafter has no confidence head or no transition selection "
+                               "(the argmax ablation); nothing is recorded.", RECORD_CONFIDENCE_ENV)
+            else:
+                logger.info("DSPINE: recording per-step confidence logits into meta_info (%s=1; adds a "
+                            "device-to-host copy per step, meant for `dspine tune-sps` calibration runs).",
+                            RECORD_CONFIDENCE_ENV)
         logger.info("DSPINE: target lm_head attached (selection=%s, injection=%s, block=%d, tp=%d, selector seam=%s).",
                     model.dspine_config.selection, model.dspine_config.injection, model.block_size,
                     int(getattr(compat.tp_group(), "world_size", 1)), compat.has_selector_seam())
@@ -97,7 +169,11 @@ class DSpineWorkerV2(DFlashWorkerV2):
 
     def forward_batch_generation(self, batch, *args, **kwargs):
         self.draft_model.ensure_transfer_table(serving=True)
-        return super().forward_batch_generation(batch, *args, **kwargs)
+        result = super().forward_batch_generation(batch, *args, **kwargs)
+        mode = getattr(batch, "forward_mode", None)
+        if getattr(self, "_dspine_record_confidence", False) and not (mode is not None and mode.is_extend()):
+            attach_confidence_record(result, self.draft_model)
+        return result
 
     # ---------------------------------------------------------------- token choice, 0.5.17
     def _maybe_build_draft_sampler(self):

@@ -29,7 +29,12 @@ class BlockBatch:
     mask: Tensor
 
     def to(self, device) -> "BlockBatch":
-        return BlockBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        """On `device`; to CUDA through pinned memory without blocking, so the host can build the
+        next batch while the device still works on this one."""
+        if torch.device(device).type != "cuda":
+            return BlockBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return BlockBatch(*(getattr(self, f).pin_memory().to(device, non_blocking=True)
+                            for f in self.__dataclass_fields__))
 
 
 def make_block_batch(records: list[dict], *, block_size: int, blocks_per_seq: int, window: int, max_len: int,

@@ -5,6 +5,12 @@ target's own (greedy by default): ShareGPT first turns plus synthetic code/math 
 them from an evaluation set (`dspine.datasets.training_prompts`). Output: JSONL, one sequence per
 line, `{"id", "source", "ids": prompt+answer token ids, "answer_start": index of the first answer
 token}`; written to a temporary file and renamed, so an interrupted run leaves no partial file.
+
+Two generators give the same records: the target in transformers (`generate`, batched, default)
+or a running SGLang server of the same target (`--server URL`: native `/generate` on the chat
+template's token ids, many requests in flight; much faster for large data sets). With
+`--samples-per-prompt K` (needs `--temperature > 0`) every prompt gets K sampled answers, ids
+`<prompt id>#<k>`.
 """
 
 from __future__ import annotations
@@ -12,12 +18,19 @@ from __future__ import annotations
 import json
 import os
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from dspine.datasets import training_prompts
-from dspine.targets import chat_prompt_ids, load_target, stop_token_ids
+from dspine.targets import chat_prompt_ids, load_target, load_tokenizer, stop_token_ids
+
+
+class GenDataError(RuntimeError):
+    """A generation run cannot go on; the message names the cause and the fix."""
 
 
 @torch.no_grad()
@@ -58,21 +71,110 @@ def generate_answers(target, tokenizer, prompts, *, max_prompt_tokens: int, max_
     bar.close()
 
 
+def _post_generate(url: str, body: dict, timeout: float) -> list[dict]:
+    request = urllib.request.Request(f"{url.rstrip('/')}/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            out = json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        raise GenDataError(f"{url}/generate answered HTTP {e.code}: {e.read()[:300]!r}") from e
+    except (urllib.error.URLError, OSError) as e:
+        raise GenDataError(f"no SGLang server answers at {url} ({e}); start one with the same target "
+                           f"(`sglang serve --model-path ...`) or drop --server") from e
+    return out if isinstance(out, list) else [out]
+
+
+def server_answers(url: str, prompt_ids: list[list[int]], stops: list[int], *, max_new_tokens: int,
+                   temperature: float, seed: int, timeout: float = 600.0) -> list[list[int]]:
+    """Answers of an SGLang server to `prompt_ids` (one batched native `/generate`), each ending
+    with its stop token when generation stopped on one (as transformers' `generate` does)."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "stop_token_ids": stops,
+              "skip_special_tokens": False}
+    if temperature > 0:
+        params["sampling_seed"] = seed
+    replies = _post_generate(url, {"input_ids": prompt_ids, "sampling_params": params}, timeout)
+    if len(replies) != len(prompt_ids):
+        raise GenDataError(f"{url}/generate returned {len(replies)} answers for {len(prompt_ids)} prompts")
+    answers = []
+    for reply in replies:
+        if "output_ids" not in reply:
+            raise GenDataError(f"{url}/generate returned no `output_ids` (keys {sorted(reply)}): is this an "
+                               f"SGLang server? gen-data --server needs SGLang's native API")
+        ids = list(reply["output_ids"])
+        finish = (reply.get("meta_info") or {}).get("finish_reason") or {}
+        matched = finish.get("matched") if isinstance(finish, dict) else None
+        if isinstance(matched, int) and matched in stops and (not ids or ids[-1] != matched):
+            ids.append(matched)
+        cut = next((i + 1 for i, t in enumerate(ids) if t in stops), len(ids))
+        answers.append(ids[:cut])
+    return answers
+
+
+def generate_answers_server(url: str, tokenizer, stops: list[int], prompts, *, max_prompt_tokens: int,
+                            max_new_tokens: int, batch_size: int, concurrency: int, temperature: float,
+                            seed: int, progress: bool = True):
+    """Like `generate_answers`, through an SGLang server: batches of `batch_size` prompts,
+    `concurrency` batches in flight. Records come in prompt order."""
+    from tqdm.auto import tqdm
+
+    encoded = [(p, chat_prompt_ids(tokenizer, p.messages)) for p in prompts]
+    encoded = [(p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens]
+    batches = [encoded[i:i + batch_size] for i in range(0, len(encoded), batch_size)]
+
+    def run(index: int) -> list[list[int]]:
+        chunk = batches[index]
+        return server_answers(url, [ids for _, ids in chunk], stops, max_new_tokens=max_new_tokens,
+                              temperature=temperature, seed=seed + index)
+
+    bar = tqdm(total=len(encoded), desc="gen-data", unit="seq", disable=not progress)
+    started, produced = time.perf_counter(), 0
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        for chunk, answers in zip(batches, pool.map(run, range(len(batches)))):
+            for (prompt, ids), answer in zip(chunk, answers):
+                produced += len(answer)
+                yield {"id": prompt.id, "source": prompt.source, "ids": ids + answer, "answer_start": len(ids)}
+            bar.update(len(chunk))
+            bar.set_postfix(tok_s=f"{produced / (time.perf_counter() - started):.0f}")
+    bar.close()
+
+
+def _repeat_for_samples(prompts, k: int):
+    """Each prompt k times, ids `<id>#<j>` (k = 1: unchanged)."""
+    if k == 1:
+        return list(prompts)
+    return [type(p)(f"{p.id}#{j}", p.messages, p.source) for p in prompts for j in range(k)]
+
+
 def run_gen_data(args) -> int:
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    target, tokenizer = load_target(args.target, dtype=dtype, device=args.device)
-    if args.device.startswith("cuda"):
-        target.generation_config.cache_implementation = None
-    prompts = training_prompts(args.num_prompts, seed=args.seed)
+    if args.samples_per_prompt < 1:
+        raise GenDataError(f"--samples-per-prompt must be >= 1, got {args.samples_per_prompt}")
+    if args.samples_per_prompt > 1 and args.temperature <= 0:
+        raise GenDataError("--samples-per-prompt > 1 with greedy decoding repeats one answer: "
+                           "set --temperature > 0 (e.g. 0.8)")
+    prompts = _repeat_for_samples(training_prompts(args.num_prompts, seed=args.seed), args.samples_per_prompt)
+    if args.server:
+        tokenizer, stops = load_tokenizer(args.target)
+        records = generate_answers_server(args.server, tokenizer, stops, prompts,
+                                          max_prompt_tokens=args.max_prompt_tokens,
+                                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                          concurrency=args.concurrency, temperature=args.temperature,
+                                          seed=args.seed, progress=not args.quiet)
+    else:
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+        target, tokenizer = load_target(args.target, dtype=dtype, device=args.device)
+        if args.device.startswith("cuda"):
+            target.generation_config.cache_implementation = None
+        records = generate_answers(target, tokenizer, prompts, max_prompt_tokens=args.max_prompt_tokens,
+                                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                   temperature=args.temperature, seed=args.seed, progress=not args.quiet)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.partial")
     count = 0
     try:
         with open(tmp, "w") as f:
-            for rec in generate_answers(target, tokenizer, prompts, max_prompt_tokens=args.max_prompt_tokens,
-                                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                        temperature=args.temperature, seed=args.seed, progress=not args.quiet):
+            for rec in records:
                 f.write(json.dumps(rec) + "\n")
                 count += 1
         os.replace(tmp, out)
@@ -88,7 +190,14 @@ def add_arguments(p) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="how many training prompts (default: all)")
     p.add_argument("--max-prompt-tokens", type=int, default=384)
     p.add_argument("--max-new-tokens", type=int, default=384)
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=256,
+                   help="prompts per generate call (transformers) or per /generate request (--server)")
+    p.add_argument("--server", default=None, metavar="URL",
+                   help="generate with a running SGLang server of the same target (e.g. http://127.0.0.1:30000); "
+                        "--target still names the tokenizer and chat template")
+    p.add_argument("--concurrency", type=int, default=8, help="--server: requests in flight")
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="sampled answers per prompt (needs --temperature > 0); ids get '#<k>'")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers (default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

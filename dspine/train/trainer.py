@@ -160,18 +160,11 @@ def _lr(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, progress: bool = True) -> Path | None:
-    """Run (or resume) training. Returns the exported checkpoint dir when `cfg.steps` is reached,
-    None when the time limit stopped it first (run again to resume)."""
-    from tqdm.auto import tqdm
-
+def build_training(cfg: TrainConfig, device: str) -> tuple[torch.nn.Module, DSpineDraftModel, torch.optim.Optimizer]:
+    """`(frozen target, drafter in train mode attached to it, AdamW)` for `cfg` on `device`
+    (bf16 target on CUDA, fp32 elsewhere)."""
     from dspine.targets import load_target, mask_token_candidate
 
-    started = time.perf_counter()
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    torch.manual_seed(cfg.seed)
     target, tokenizer = load_target(cfg.target, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32,
                                     device=device)
     dcfg = DSpineConfig.for_target(target.config, mask_token_id=mask_token_candidate(tokenizer), **cfg.drafter)
@@ -183,6 +176,33 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
     no_decay = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    return target, model, opt
+
+
+def train_step(model: DSpineDraftModel, target, batch: BlockBatch, opt: torch.optim.Optimizer, cfg: TrainConfig,
+               *, use_amp: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One optimisation step (bf16 autocast when `use_amp`, gradient clipping): `(terms, grad_norm)`."""
+    with torch.autocast(device_type="cuda" if use_amp else "cpu", dtype=torch.bfloat16, enabled=use_amp):
+        terms = block_losses(model, target, batch, cfg)
+    opt.zero_grad(set_to_none=True)
+    terms["total"].backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
+    opt.step()
+    return terms, grad_norm
+
+
+def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, progress: bool = True) -> Path | None:
+    """Run (or resume) training. Returns the exported checkpoint dir when `cfg.steps` is reached,
+    None when the time limit stopped it first (run again to resume)."""
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    torch.manual_seed(cfg.seed)
+    target, model, opt = build_training(cfg, device)
+    dcfg = model.config
     records = load_records(cfg.data)
     random.Random(cfg.seed).shuffle(records)
     heldout, records = records[: cfg.heldout_sequences], records[cfg.heldout_sequences:]
@@ -216,15 +236,10 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
             group["lr"] = _lr(step, cfg)
         batch = make_block_batch(order.sample(records, cfg.batch_size), block_size=dcfg.block_size,
                                  blocks_per_seq=cfg.blocks_per_seq, window=dcfg.sliding_window, max_len=cfg.max_len,
-                                 generator=gen).to(device)
-        with torch.autocast(device_type="cuda" if use_amp else "cpu", dtype=torch.bfloat16, enabled=use_amp):
-            terms = block_losses(model, target, batch, cfg)
-        opt.zero_grad(set_to_none=True)
-        terms["total"].backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
+                                 generator=gen)
+        tokens_seen += int((batch.labels >= 0).sum())  # on the host copy: no device sync in the loop
+        terms, grad_norm = train_step(model, target, batch.to(device), opt, cfg, use_amp=use_amp)
         step += 1
-        tokens_seen += int((batch.labels >= 0).sum())
         bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.steps:
             now = time.perf_counter()

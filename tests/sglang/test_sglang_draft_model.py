@@ -738,3 +738,55 @@ def test_replayssm_commit_goes_through_spec_utils(sglang_env, ckpt, monkeypatch,
     worker._update_target_mamba_state_after_verify(batch=batch, seq_lens_pre_verify=batch.seq_lens,
                                                    commit_lens=commit_lens, **extra)
     assert len(seen) == 1 and len(fallback) == 1
+
+
+def test_confidence_record_reaches_each_request_through_sglangs_collector(sglang_env, ckpt, target_weights,
+                                                                           monkeypatch):
+    """DSPINE_RECORD_CONFIDENCE=1: the confidence logits written next to the candidates (as the draft
+    graph does) reach every request's `customized_info` (-> meta_info) through SGLang's own collector,
+    equal to the reference drafter's confidence head, with accepted drafts = SGLang's commit length - 1.
+    Prefill steps and recording off attach nothing."""
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    from dspine.sglang import compat
+
+    emb, head_w = target_weights
+    bs, g = 3, torch.Generator().manual_seed(12)
+    hidden = torch.randn(bs * (N - 1), H, generator=g)
+    commit = torch.tensor([1, 4, N], dtype=torch.int32)
+
+    def fake_step(self, batch, *args, **kwargs):
+        self.draft_model.compute_candidates(hidden)  # the draft graph's candidate step
+        return SimpleNamespace(accept_lens=commit, logits_output=LogitsProcessorOutput(next_token_logits=None))
+
+    def worker(record: str):
+        monkeypatch.setenv("DSPINE_RECORD_CONFIDENCE", record)
+        w = bare_worker(loaded_model(ckpt), _target_worker=target_worker_with(lm_head_layer(head_w)),
+                        server_args=SimpleNamespace(max_running_requests=5))
+        w._attach_target_to_draft()
+        return w
+
+    monkeypatch.setattr(compat, "decode_graph_max_bs", lambda: 4)
+    monkeypatch.setattr(DFlashWorkerV2, "forward_batch_generation", fake_step)
+    decode, prefill = SimpleNamespace(is_extend=lambda: False), SimpleNamespace(is_extend=lambda: True)
+
+    recording = worker("1")
+    assert recording.draft_model._confidence_buf.shape == (5 * (N - 1),)  # max(running requests, graph bs) rows
+    result = recording.forward_batch_generation(SimpleNamespace(forward_mode=decode))
+    reqs = [SimpleNamespace(customized_info=None) for _ in range(bs)]
+    for i, req in enumerate(reqs):
+        SchedulerBatchResultProcessor._maybe_collect_customized_info(None, i, req, result.logits_output)
+    ref = load_checkpoint(ckpt, dtype=torch.float32)
+    want = ref.confidence_logits(hidden).view(bs, N - 1)
+    for i, req in enumerate(reqs):
+        assert req.customized_info["dspine_accept_lens"] == [int(commit[i]) - 1]
+        (row,) = req.customized_info["dspine_confidence_logits"]
+        assert isinstance(row, list) and len(row) == N - 1
+        torch.testing.assert_close(torch.tensor(row), want[i], rtol=1e-5, atol=1e-5)
+
+    assert recording.forward_batch_generation(SimpleNamespace(forward_mode=prefill)).logits_output.customized_info \
+        is None
+    assert worker("0").forward_batch_generation(SimpleNamespace(forward_mode=decode)).logits_output.customized_info \
+        is None

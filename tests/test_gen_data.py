@@ -1,0 +1,135 @@
+"""`dspine gen-data`: the transformers path and the SGLang-server path give the same records.
+
+The server is a stub speaking SGLang's native `/generate` (batched `input_ids`, `output_ids`,
+`meta_info.finish_reason`) whose answers come from the real SmolLM2 target, one prompt at a time,
+with the stop token left out of `output_ids` as SGLang may do; the records must still equal the
+transformers path's, stop tokens included.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from dspine.datasets import Prompt, save_prompts
+from dspine.targets import load_target, stop_token_ids
+from dspine.train import gen_data
+from dspine.train.cli import cmd_gen_data
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [Prompt("t/0", [{"role": "user", "content": "Say hello."}], "test"),
+           Prompt("t/1", [{"role": "user", "content": "What is 2 + 3? Answer with a number only."}], "test"),
+           Prompt("t/2", [{"role": "user", "content": "Name a colour."}], "test")]
+MAX_NEW = 12
+
+
+def _serve(handler_cls) -> tuple[ThreadingHTTPServer, str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler_cls)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    target, tokenizer = load_target()
+    return target, tokenizer, stop_token_ids(tokenizer, target)
+
+
+@pytest.fixture
+def sglang_stub(smollm2):
+    """A stub of SGLang's `/generate`: greedy answers of the real target, stop token stripped."""
+    target, _, stops = smollm2
+    seen: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            params = body["sampling_params"]
+            replies = []
+            for ids in body["input_ids"]:
+                with torch.no_grad():
+                    out = target.generate(input_ids=torch.tensor([ids]), max_new_tokens=params["max_new_tokens"],
+                                          do_sample=False, eos_token_id=params["stop_token_ids"],
+                                          pad_token_id=stops[0])
+                answer = out[0, len(ids):].tolist()
+                if answer and answer[-1] in params["stop_token_ids"]:
+                    finish = {"type": "stop", "matched": answer.pop()}
+                else:
+                    finish = {"type": "length", "length": len(answer)}
+                replies.append({"text": "", "output_ids": answer, "meta_info": {"finish_reason": finish}})
+            data = json.dumps(replies).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server, url = _serve(Handler)
+    yield url, seen
+    server.shutdown()
+
+
+def test_server_path_equals_transformers_path(smollm2, sglang_stub):
+    target, tokenizer, stops = smollm2
+    url, seen = sglang_stub
+    common = dict(max_prompt_tokens=384, max_new_tokens=MAX_NEW, batch_size=2, temperature=0.0, seed=0,
+                  progress=False)
+    local = list(gen_data.generate_answers(target, tokenizer, PROMPTS, **common))
+    served = list(gen_data.generate_answers_server(url, tokenizer, stops, PROMPTS, concurrency=2, **common))
+    assert served == sorted(local, key=lambda r: [p.id for p in PROMPTS].index(r["id"]))
+    assert sorted(len(b["input_ids"]) for b in seen) == [1, 2]  # batches of --batch-size prompts, 2 in flight
+    assert any(r["ids"][-1] in stops for r in served), "no answer ended on a stop token: the test lost its point"
+
+
+def test_server_answers_cut_and_complete_stop_tokens():
+    replies = [{"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "stop", "matched": 2}}},
+               {"output_ids": [5, 2, 7], "meta_info": {"finish_reason": {"type": "stop", "matched": 2}}},
+               {"output_ids": [8, 9], "meta_info": {"finish_reason": {"type": "length", "length": 2}}},
+               {"output_ids": [8], "meta_info": {"finish_reason": {"type": "stop", "matched": "</s>"}}}]
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            data = json.dumps(replies).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server, url = _serve(Handler)
+    try:
+        got = gen_data.server_answers(url, [[1]] * 4, [2], max_new_tokens=4, temperature=0.0, seed=0)
+    finally:
+        server.shutdown()
+    assert got == [[5, 6, 2], [5, 2], [8, 9], [8]]
+
+
+def test_errors_name_the_cause(tmp_path, monkeypatch, capsys):
+    with pytest.raises(gen_data.GenDataError, match="no SGLang server answers at .*drop --server"):
+        gen_data.server_answers("http://127.0.0.1:9", [[1]], [2], max_new_tokens=1, temperature=0.0, seed=0)
+
+    save_prompts(tmp_path / "train.jsonl", PROMPTS)
+    monkeypatch.setenv("DSPINE_PROMPTS_DIR", str(tmp_path))
+    args = type("Args", (), dict(samples_per_prompt=3, temperature=0.0, num_prompts=None, seed=0, server=None,
+                                 out=str(tmp_path / "d.jsonl")))()
+    assert cmd_gen_data(args) == 2
+    assert "--samples-per-prompt > 1 with greedy decoding" in capsys.readouterr().err
+    assert not (tmp_path / "d.jsonl").exists()
+
+
+def test_samples_per_prompt_ids():
+    repeated = gen_data._repeat_for_samples(PROMPTS[:2], 3)
+    assert [p.id for p in repeated] == ["t/0#0", "t/0#1", "t/0#2", "t/1#0", "t/1#1", "t/1#2"]
+    assert repeated[4].messages == PROMPTS[1].messages
