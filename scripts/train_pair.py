@@ -7,6 +7,11 @@ exported checkpoint to `--out-dir`.
 
   python scripts/train_pair.py probe-and-train-dspine --data D --work W --out-dir O --dspine-seconds 300
   python scripts/train_pair.py train-ablation --data D --work W --out-dir O [--steps N]
+
+With a fixed step count both can train at once, one process each (resumable, `--time-limit`):
+
+  python scripts/train_pair.py train-dspine --steps N --data D --work W --out-dir O --time-limit 540 &
+  python scripts/train_pair.py train-ablation --steps N --data D --work W --out-dir O --time-limit 540
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def _run(name: str, args, steps: int, **overrides) -> Path | None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("phase", choices=["probe-and-train-dspine", "train-ablation"])
+    p.add_argument("phase", choices=["probe-and-train-dspine", "train-dspine", "train-ablation"])
     p.add_argument("--data", required=True)
     p.add_argument("--work", required=True)
     p.add_argument("--out-dir", required=True)
@@ -55,7 +60,8 @@ def main() -> int:
     p.add_argument("--max-steps", type=int, default=3000)
     p.add_argument("--time-limit", type=float, default=None, help="hard stop (s); the run resumes when re-run")
     p.add_argument("--steps", type=int, default=None,
-                   help="train-ablation: the DSpine run's step count (default: the probe's, from --work/steps.json)")
+                   help="train-dspine: required; train-ablation: the DSpine run's step count (default: the "
+                        "probe's, from --work/steps.json)")
     args = p.parse_args()
     steps_file = Path(args.work) / "steps.json"
     if args.phase == "probe-and-train-dspine":
@@ -69,6 +75,10 @@ def main() -> int:
         print(f"probe: {step_s:.3f} s/step -> {steps} steps", flush=True)
         torch.cuda.empty_cache()
         _run("dspine", args, steps)
+    elif args.phase == "train-dspine":
+        if args.steps is None:
+            p.error("train-dspine needs --steps (probe-and-train-dspine picks them from a timed probe)")
+        _run("dspine", args, args.steps)
     else:
         if args.steps is None and not steps_file.is_file():
             p.error(f"{steps_file} is missing (the probe ran on another host?): pass --steps, the DSpine run's count")
