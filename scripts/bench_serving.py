@@ -36,7 +36,9 @@ leaves what was measured):
 
 Launchers: `--url URL` (or `--url NAME=URL` per config) for servers already running; otherwise
 `bash .gpu/host/serve.sh start|stop` with `SGL_PORT` (the GPU host, see shared/gpu/README.md),
-logs in --out-dir. Results: `serving_h200.json` (schema: `RESULTS_SCHEMA`), `serving_h200.png`.
+logs in --out-dir. `--spec-flags` adds sglang flags to the speculative configs only (e.g. ReplaySSM
+on a hybrid target). Results: `serving_h200.json` (schema: `RESULTS_SCHEMA`), `serving_h200.png`;
+`--results-name` picks another stem (e.g. `serving_hybrid_h200`).
 Prompts come from `$DSPINE_PROMPTS_DIR` exports where the data packages are absent (GPU host).
 Needs only the standard library (matplotlib for the plot; without it, `--plot-only` later).
 """
@@ -376,14 +378,17 @@ class ServeShLauncher:
 
 
 def server_configs(args: argparse.Namespace) -> dict[str, list[str]]:
-    """Extra sglang flags per algorithm; the ablation needs `--ablation-draft`."""
+    """Extra sglang flags per algorithm; the ablation needs `--ablation-draft`; `--spec-flags` go to
+    the speculative configs only."""
     common = ["--model-path", args.model_path, *shlex.split(args.extra_flags)]
     spec = ["--speculative-algorithm", "DSPINE", "--speculative-num-draft-tokens", str(args.num_draft_tokens),
             "--speculative-draft-attention-backend", "triton", "--max-running-requests", "48"]
+    spec_only = shlex.split(args.spec_flags)
     configs = {"AR": common,
-               "DSPINE": [*common, *spec, "--speculative-draft-model-path", args.draft]}
+               "DSPINE": [*common, *spec, "--speculative-draft-model-path", args.draft, *spec_only]}
     if args.ablation_draft:
-        configs["DSPINE-ablation"] = [*common, *spec, "--speculative-draft-model-path", args.ablation_draft]
+        configs["DSPINE-ablation"] = [*common, *spec, "--speculative-draft-model-path", args.ablation_draft,
+                                      *spec_only]
     return {name: flags for name, flags in configs.items() if name in args.configs}
 
 
@@ -397,15 +402,16 @@ def new_results(args: argparse.Namespace) -> dict:
         "target": args.model_path, "drafter": args.draft, "command": shlex.join([sys.argv[0], *sys.argv[1:]]),
         "runs": [], "ceiling": None, "parity": None,
         "settings": {"prompts": args.prompts, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
-                     "near_tie_nats": args.near_tie_nats, "configs": args.configs},
+                     "near_tie_nats": args.near_tie_nats, "configs": args.configs,
+                     "extra_flags": args.extra_flags, "spec_flags": args.spec_flags},
         "levels": [], "configs": {}, "errors": [],
     }
 
 
-def write_results(results: dict, out_dir: Path) -> Path:
-    """Rewrite the JSON (atomically) after every measurement."""
+def write_results(results: dict, out_dir: Path, stem: str = RESULTS_NAME) -> Path:
+    """Rewrite `stem`.json (atomically) after every measurement."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{RESULTS_NAME}.json"
+    path = out_dir / f"{stem}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(results, indent=2) + "\n")
     tmp.replace(path)
@@ -441,8 +447,8 @@ def speedups(results: dict) -> dict[str, dict[int, float]]:
     return out
 
 
-def plot(results: dict, out_dir: Path) -> Path | None:
-    """`serving_h200.png`: speedup over AR vs concurrency; None (with a note) without matplotlib."""
+def plot(results: dict, out_dir: Path, stem: str = RESULTS_NAME) -> Path | None:
+    """`stem`.png: speedup over AR vs concurrency; None (with a note) without matplotlib."""
     try:
         import matplotlib
 
@@ -462,7 +468,7 @@ def plot(results: dict, out_dir: Path) -> Path | None:
     ax.set_title(f"{Path(results['target']).name} on {results['device']} (SGLang {results['sglang']})")
     ax.legend()
     fig.tight_layout()
-    path = out_dir / f"{RESULTS_NAME}.png"
+    path = out_dir / f"{stem}.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -501,7 +507,7 @@ def measure_config(name: str, base: str, prompts: list[dict], args: argparse.Nam
         results["levels"].append({"algorithm": name, **level})
         results["runs"].append({"algorithm": name, "concurrency": c, "output_tok_per_s": level["output_tok_per_s"],
                                 "accept_len": level["accept_len"], "ttft_ms": level["ttft_ms"]})
-        write_results(results, out_dir)
+        write_results(results, out_dir, args.results_name)
         print(f"[{name}] c={c}: {level['output_tok_per_s']:.0f} tok/s, TTFT {level['ttft_ms']:.0f} ms "
               f"(p50 {level['ttft_p50_ms']:.0f}), accept {level['accept_len']:.2f}, {level['wall_s']:.1f} s", flush=True)
     t0 = time.perf_counter()
@@ -549,6 +555,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-draft-tokens", type=int, default=16)
     p.add_argument("--extra-flags", default="--cuda-graph-max-bs-decode 64",
                    help="sglang flags added to every config (serve.sh adds its base flags itself)")
+    p.add_argument("--spec-flags", default="",
+                   help="sglang flags added to the speculative configs only (DSPINE, DSPINE-ablation), e.g. "
+                        "\"--enable-linear-replayssm-spec --linear-replayssm-cache-len 32\" on a hybrid GDN target")
     p.add_argument("--served-model", default="default", help="the `model` field of requests")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -560,6 +569,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--device", default="NVIDIA H200")
     p.add_argument("--assume-tok-per-s", type=float, default=500.0, help="per-stream decode rate for the estimate")
+    p.add_argument("--results-name", default=RESULTS_NAME,
+                   help="stem of the results files in --out-dir (NAME.json, NAME.png), e.g. serving_hybrid_h200")
     p.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON in --out-dir")
     p.add_argument("--reclassify", action="store_true",
                    help="re-judge the parity of the JSON in --out-dir at --near-tie-nats (stored gaps; no server)")
@@ -580,11 +591,13 @@ def _launcher(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.plot_only:
-        print(plot(json.loads((args.out_dir / f"{RESULTS_NAME}.json").read_text()), args.out_dir))
+        print(plot(json.loads((args.out_dir / f"{args.results_name}.json").read_text()), args.out_dir,
+                   args.results_name))
         return 0
     if args.reclassify:
-        results = reclassify(json.loads((args.out_dir / f"{RESULTS_NAME}.json").read_text()), args.near_tie_nats)
-        path = write_results(results, args.out_dir)
+        results = reclassify(json.loads((args.out_dir / f"{args.results_name}.json").read_text()),
+                             args.near_tie_nats)
+        path = write_results(results, args.out_dir, args.results_name)
         print(json.dumps({k: {n: v for n, v in results[k].items() if n != "divergences"}
                           for k in ("parity", "parity_ablation") if k in results}, indent=2))
         print(f"wrote {path}")
@@ -613,9 +626,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             launcher.stop(name)
         finish_comparison(results, passes, c1, prompts, args)
-        write_results(results, args.out_dir)
-    path = write_results(results, args.out_dir)
-    plot(results, args.out_dir)
+        write_results(results, args.out_dir, args.results_name)
+    path = write_results(results, args.out_dir, args.results_name)
+    plot(results, args.out_dir, args.results_name)
     print(json.dumps({k: results[k] for k in ("ceiling", "parity")}, indent=2, default=str))
     print(f"wrote {path}", flush=True)
     if results["errors"]:

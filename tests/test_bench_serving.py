@@ -217,6 +217,44 @@ def test_bench_serving_end_to_end(stub_server, prompts_dir, tmp_path):
     assert (out / "serving_h200.png").is_file() or not importlib.util.find_spec("matplotlib")
 
 
+def test_spec_flags_go_to_the_speculative_configs_only():
+    bench = _load("bench_serving")
+    replayssm = "--enable-linear-replayssm-spec --linear-replayssm-cache-len 32"
+    args = bench.parse_args(["--model-path", "/m", "--draft", "/d", "--ablation-draft", "/a",
+                             "--spec-flags", replayssm])
+    configs = bench.server_configs(args)
+    assert configs["AR"] == ["--model-path", "/m", "--cuda-graph-max-bs-decode", "64"]
+    for name, draft in (("DSPINE", "/d"), ("DSPINE-ablation", "/a")):
+        assert configs[name][-5:] == ["--speculative-draft-model-path", draft, "--enable-linear-replayssm-spec",
+                                      "--linear-replayssm-cache-len", "32"]
+    plain = bench.server_configs(bench.parse_args(["--model-path", "/m", "--draft", "/d"]))
+    assert plain["DSPINE"][-2:] == ["--speculative-draft-model-path", "/d"]  # default: nothing added
+    one_flag = bench.parse_args(["--spec-flags=--enable-linear-replayssm-spec"])  # a lone flag needs the = form
+    assert one_flag.spec_flags == "--enable-linear-replayssm-spec"
+
+
+def test_results_name_writes_beside_the_default_results(stub_server, prompts_dir, tmp_path):
+    bench = _load("bench_serving")
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "serving_h200.json").write_text("{}")  # an earlier run's results stay untouched
+    rc = bench.main(["--url", f"AR={stub_server('ar')}", "--url", f"DSPINE={stub_server('dspine')}",
+                     "--configs", "AR,DSPINE", "--prompts", "5", "--max-tokens", "4", "--concurrency", "1",
+                     "--waves", "1", "--results-name", "serving_hybrid_h200", "--out-dir", str(out),
+                     "--spec-flags", "--enable-linear-replayssm-spec --linear-replayssm-cache-len 32"])
+    assert rc == 0
+    assert (out / "serving_h200.json").read_text() == "{}"
+    results = json.loads((out / "serving_hybrid_h200.json").read_text())
+    bench.check_schema(results, bench.RESULTS_SCHEMA)
+    assert results["settings"]["spec_flags"] == "--enable-linear-replayssm-spec --linear-replayssm-cache-len 32"
+    assert "--enable-linear-replayssm-spec" in results["configs"]["DSPINE"]["flags"]
+    assert "--enable-linear-replayssm-spec" not in results["configs"]["AR"]["flags"]
+    assert results["parity"]["prompts"] == 5
+    assert bench.main(["--reclassify", "--results-name", "serving_hybrid_h200", "--out-dir", str(out)]) == 0
+    assert json.loads((out / "serving_hybrid_h200.json").read_text())["runs"] == results["runs"]
+    assert (out / "serving_hybrid_h200.png").is_file() or not importlib.util.find_spec("matplotlib")
+
+
 def test_ceiling_arithmetic():
     bench = _load("bench_serving")
     ar = [bench.Reply(completion_tokens=100, wall_s=1.0), bench.Reply(completion_tokens=100, wall_s=1.0)]

@@ -6,7 +6,9 @@ Supported: 0.5.17 to 0.5.22. See docs/sglang.md for what differs where.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import inspect
 import os
 from typing import Any
 
@@ -182,6 +184,27 @@ def replayssm_commit_active(target_worker: Any) -> bool:
     pool = getattr(getattr(target_worker.model_runner, "req_to_token_pool", None), "mamba_pool", None)
     return pool is not None and (bool(getattr(pool, "replayssm_spec_fold", False))
                                  or getattr(pool, "replayssm_cache_base", None) is not None)
+
+
+@functools.lru_cache(maxsize=1)
+def dflash_verify_refreshes_mamba_track() -> bool:
+    """True where DFlash's own verify preparation rebuilds the GDN track indices from the requests
+    (`spec_utils.prepare_mamba_track_for_verify`, called in `dflash_info` from 0.5.20 on); 0.5.17's
+    does not, so its spec decode batches keep the prefill's track slot (the radix cache's)."""
+    from sglang.srt.speculative import dflash_info
+
+    try:
+        return "prepare_mamba_track_for_verify" in inspect.getsource(dflash_info)
+    except (OSError, TypeError):  # no source shipped: assume SGLang does it
+        return True
+
+
+def prepare_mamba_track_for_verify(batch: Any) -> None:
+    """`spec_utils.prepare_mamba_track_for_verify(batch)` (same signature in 0.5.17 and 0.5.22): a
+    no-op unless the mamba extra buffer is on; sets only batch fields."""
+    from sglang.srt.speculative import spec_utils
+
+    spec_utils.prepare_mamba_track_for_verify(batch)
 
 
 def commit_mamba_states_after_verify(target_worker: Any, batch: Any, *, accept_lens: Any, accept_index: Any,

@@ -29,6 +29,9 @@ injection); this worker only overrides the smallest seams around it:
   `meta_info.dspine_confidence_logits [steps][N-1]` and `meta_info.dspine_accept_lens [steps]`,
   the input of `dspine tune-sps`'s per-position calibration. The device-to-host copies ride on the
   step's stream (no host sync in the worker); the rows are read when SGLang processes the result.
+- GDN track slots (0.5.17, ReplaySSM targets): before a verify step, rebuild the batch's track
+  indices from its requests (`spec_utils.prepare_mamba_track_for_verify`), which 0.5.17's DFlash
+  verify omits (0.5.20+ does it itself); otherwise the commit below writes into the radix cache's slot.
 - `_update_target_mamba_state_after_verify`: on ReplaySSM targets route the commit through
   `spec_utils.commit_mamba_states_after_verify` (advances the GDN ring cursors, which the DFlash
   worker's backend call does not); otherwise DFlash's own commit.
@@ -126,6 +129,14 @@ class DSpineDraftSampler:
         self.out[: tokens.numel()].copy_(tokens.reshape(-1))
 
 
+def _is_verify_step(batch) -> bool:
+    """A decode step (draft + verify): not a prefill/extend, not an idle DP rank."""
+    mode = getattr(batch, "forward_mode", None)
+    if mode is None:
+        return False
+    return not mode.is_extend() and not getattr(mode, "is_idle", lambda: False)()
+
+
 class DSpineWorkerV2(DFlashWorkerV2):
     """The DSPINE worker (see the module docstring). SGLang builds it as
     `DSpineWorkerV2(server_args=, gpu_id=, [ps=,] nccl_port=, target_worker=)`."""
@@ -169,11 +180,20 @@ class DSpineWorkerV2(DFlashWorkerV2):
 
     def forward_batch_generation(self, batch, *args, **kwargs):
         self.draft_model.ensure_transfer_table(serving=True)
+        verify_step = _is_verify_step(batch)
+        if verify_step and self._needs_track_refresh():
+            compat.prepare_mamba_track_for_verify(batch)
         result = super().forward_batch_generation(batch, *args, **kwargs)
-        mode = getattr(batch, "forward_mode", None)
-        if getattr(self, "_dspine_record_confidence", False) and not (mode is not None and mode.is_extend()):
+        if verify_step and getattr(self, "_dspine_record_confidence", False):
             attach_confidence_record(result, self.draft_model)
         return result
+
+    def _needs_track_refresh(self) -> bool:
+        """0.5.17 on a ReplaySSM target: DFlash's verify leaves the batch's GDN track slots at the
+        prefill's (owned by the radix cache), so the commit after verify would write a state into a
+        cached slot. Rebuild them from the requests first, as DSPARK and 0.5.20+'s DFlash do."""
+        return (getattr(self, "_need_mamba_verify_commit", False) and not compat.dflash_verify_refreshes_mamba_track()
+                and compat.replayssm_commit_active(self.target_worker))
 
     # ---------------------------------------------------------------- token choice, 0.5.17
     def _maybe_build_draft_sampler(self):

@@ -790,3 +790,46 @@ def test_confidence_record_reaches_each_request_through_sglangs_collector(sglang
         is None
     assert worker("0").forward_batch_generation(SimpleNamespace(forward_mode=decode)).logits_output.customized_info \
         is None
+
+
+def test_gdn_track_slots_are_rebuilt_before_verify_where_dflash_does_not(sglang_env, ckpt, monkeypatch):
+    """ReplaySSM target: before a verify step the worker rebuilds the batch's GDN track indices through
+    spec_utils (before SGLang's step runs), where DFlash's own verify preparation does not do it
+    (0.5.17); never on prefill, without ReplaySSM, or where SGLang does it itself."""
+    from sglang.srt.speculative import spec_utils
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    from dspine.sglang import compat
+
+    order = []
+    monkeypatch.setattr(spec_utils, "prepare_mamba_track_for_verify", lambda batch: order.append(("track", batch)))
+    monkeypatch.setattr(DFlashWorkerV2, "forward_batch_generation", lambda self, batch, *a, **k: order.append(
+        ("step", batch)) or SimpleNamespace(accept_lens=None, logits_output=None))
+    pool = SimpleNamespace(replayssm_cache_base=torch.zeros(4), replayssm_spec_fold=False)
+    target = SimpleNamespace(model_runner=SimpleNamespace(req_to_token_pool=SimpleNamespace(mamba_pool=pool)))
+    worker = bare_worker(build_model(ckpt), _target_worker=target, _need_mamba_verify_commit=True)
+    worker.draft_model.ensure_transfer_table = lambda serving: None
+    decode = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False))
+    prefill = SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: True, is_idle=lambda: False))
+
+    monkeypatch.setattr(compat, "dflash_verify_refreshes_mamba_track", lambda: False)  # 0.5.17's DFlash
+    worker.forward_batch_generation(decode)
+    assert order == [("track", decode), ("step", decode)]
+    order.clear()
+    worker.forward_batch_generation(prefill)
+    pool.replayssm_cache_base = None  # not a ReplaySSM target
+    worker.forward_batch_generation(decode)
+    assert order == [("step", prefill), ("step", decode)]
+
+    pool.replayssm_cache_base = torch.zeros(4)
+    monkeypatch.setattr(compat, "dflash_verify_refreshes_mamba_track", lambda: True)  # 0.5.20+: SGLang does it
+    order.clear()
+    worker.forward_batch_generation(decode)
+    assert order == [("step", decode)]
+
+
+def test_track_refresh_shim_matches_the_installed_dflash():
+    from dspine.sglang import compat
+
+    # 0.5.17's DFlash verify does not rebuild the track slots; 0.5.22's does (dflash_info.prepare_for_verify).
+    assert compat.dflash_verify_refreshes_mamba_track() == (compat.sglang_version() >= "0.5.20")
