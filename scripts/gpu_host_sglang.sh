@@ -9,6 +9,8 @@
 #   dspine_server_stop PORT
 #   dspine_smoke PORT                                 # one greedy /generate; prints text and tau
 #   dspine_train_env                                  # (in a subshell) host torch/transformers, GGUF target
+#   dspine_bg NAME 'shell command'                    # run in the background, outliving the call
+#   dspine_wait NAME SECONDS                          # wait for it; prints its status and log tail
 #
 # Only `dspine` goes on SGLang's path (a link in /tmp/dspine-src), never the repository root: its
 # top-level `kernels/` would shadow the PyPI `kernels` package that SGLang imports. SGLang finds
@@ -53,3 +55,25 @@ dspine_train_env() {
   [ -d "$pkgs/gguf" ] || python3 -m pip install -q --no-index --no-deps --target "$pkgs" .gpu-dspine/wheels/*.whl
   export PYTHONPATH="$pkgs:$DSPINE_SRC" DSPINE_CACHE=/tmp/dspine-cache
 }
+
+dspine_bg() {
+  # setsid: the job leads its own session, so the device call may return while it runs (the host
+  # keeps it while warm). Log: $DSPINE_LOGS/NAME.log; when done: $DSPINE_LOGS/NAME.status (rc).
+  local name=$1 cmd=$2
+  rm -f "$DSPINE_LOGS/$name.status"
+  setsid bash -c "( $cmd ); echo \$? > '$DSPINE_LOGS/$name.status'" > "$DSPINE_LOGS/$name.log" 2>&1 < /dev/null &
+  disown
+  echo "background job $name started (log $DSPINE_LOGS/$name.log)"
+}
+
+dspine_wait() {
+  local name=$1 limit=$2 t0=$SECONDS
+  until [ -s "$DSPINE_LOGS/$name.status" ]; do
+    if (( SECONDS - t0 >= limit )); then echo "$name: still running after ${limit}s"; return 2; fi
+    sleep 2
+  done
+  echo "$name: finished, rc=$(cat "$DSPINE_LOGS/$name.status")"
+  tr '\r' '\n' < "$DSPINE_LOGS/$name.log" | grep -v '^$' | tail -n 5
+  return "$(cat "$DSPINE_LOGS/$name.status")"
+}
+
