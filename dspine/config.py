@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 SELECTION_MODES = ("transition", "argmax")
+INJECTION_CANDIDATE_MODES = ("per_layer", "first_layer")
 
 
 class ConfigError(ValueError):
@@ -59,6 +60,9 @@ class DSpineConfig:
     transfer_rank: int = 256
     injection: bool = True
     injection_top_k: int = 8
+    # "per_layer": every layer scores the whole vocabulary for its top-k; "first_layer": layer 1 does,
+    # layers 2.. re-weight layer 1's k candidates with their own scores (one vocabulary scan a round).
+    injection_candidates: str = "per_layer"
     selection: str = "transition"
     selection_top_k: int = 8
     transition_lambda: float = 1.0
@@ -96,6 +100,8 @@ class DSpineConfig:
         need(1 <= self.selection_top_k <= self.vocab_size, "selection_top_k", "must lie in [1, vocab_size]")
         need(1 <= self.successor_table_size <= self.vocab_size, "successor_table_size", "must lie in [1, vocab_size]")
         need(self.selection in SELECTION_MODES, "selection", f"must be one of {SELECTION_MODES}")
+        need(self.injection_candidates in INJECTION_CANDIDATE_MODES, "injection_candidates",
+             f"must be one of {INJECTION_CANDIDATE_MODES}")
         need(self.sliding_window >= self.block_size, "sliding_window",
              f"must be >= block_size={self.block_size}: the window has to hold a whole block")
         need(len(self.layer_loss_weights) == self.num_hidden_layers, "layer_loss_weights",

@@ -121,11 +121,16 @@ class DSpineDraftModel(nn.Module):
         table = self.transfer_table() if self.injections is not None else None
         flat_anchor = anchor_ids.reshape(-1)
         scores = [] if need_layer_scores and self.injections is not None else None
+        candidates = None  # injection_candidates == "first_layer": layer 1's top-k ids, reused by later layers
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, context_kv[i][0], context_kv[i][1], mask)
             if self.injections is not None:
                 blocks = x.view(bs * nb, cfg.block_size, -1)
-                blocks, s = self.injections[i](blocks, table, flat_anchor, need_scores=scores is not None)
+                if cfg.injection_candidates == "first_layer":
+                    blocks, s, candidates = self.injections[i].forward_with_candidates(
+                        blocks, table, flat_anchor, need_scores=scores is not None, candidates=candidates)
+                else:
+                    blocks, s = self.injections[i](blocks, table, flat_anchor, need_scores=scores is not None)
                 x = blocks.view(bs, nb * cfg.block_size, -1)
                 if scores is not None:
                     scores.append(s)

@@ -12,7 +12,11 @@ import torch
 from torch import Tensor, nn
 
 from dspine.kernels import dispatch
-from dspine.kernels.adjacent_injection import adjacent_injection_reference
+from dspine.kernels.adjacent_injection import (
+    adjacent_injection_reference,
+    inject_features_reference,
+    transfer_features_on_candidates,
+)
 
 
 class TransferSpace(nn.Module):
@@ -57,3 +61,34 @@ class AdjacentInjection(nn.Module):
         out, scores = adjacent_injection_reference(h, self.score_proj.weight, table, anchor_ids, self.gate.weight,
                                                    self.gate.bias, self.out_proj.weight, self.top_k)
         return out, scores if need_scores else None
+
+    def forward_with_candidates(self, h: Tensor, table: Tensor, anchor_ids: Tensor, need_scores: bool,
+                                candidates: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
+        """`injection_candidates = "first_layer"`. Layer 1 (`candidates=None`) scans the vocabulary as
+        `forward` does and also returns its top-k ids [n, B-1, k] (position 0: the anchor's, unused);
+        later layers re-weight those candidates with their own scores (`transfer_features_on_candidates`)
+        instead of scanning again. Returns (h_out [n, B, H], scores [n, B, V] or None, candidates)."""
+        fused = not need_scores and dispatch.use_triton(h)
+        if candidates is None:
+            if fused:
+                from dspine.kernels.adjacent_injection import adjacent_injection
+
+                n, blocks = h.shape[:2]
+                found = torch.empty(n, blocks - 1, self.top_k, dtype=torch.int64, device=h.device)
+                out = adjacent_injection(h, self.score_proj.weight, table, anchor_ids, self.gate.weight,
+                                         self.gate.bias, self.out_proj.weight, self.top_k, candidates_out=found)
+                return out, None, found
+            out, scores = adjacent_injection_reference(h, self.score_proj.weight, table, anchor_ids, self.gate.weight,
+                                                       self.gate.bias, self.out_proj.weight, self.top_k)
+            found = scores[:, :-1].topk(self.top_k, dim=-1).indices
+            return out, scores if need_scores else None, found
+        t = transfer_features_on_candidates(h, self.score_proj.weight, table, anchor_ids, candidates)
+        if fused:
+            from dspine.kernels.adjacent_injection import inject_features
+
+            out = inject_features(h, t, self.gate.weight, self.gate.bias, self.out_proj.weight)
+        else:
+            out = inject_features_reference(h, t, self.gate.weight, self.gate.bias, self.out_proj.weight)
+        scores = (h @ self.score_proj.weight.T) @ table.T if need_scores else None
+        return out, scores, candidates
+

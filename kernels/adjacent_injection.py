@@ -18,7 +18,10 @@ Fused path (`adjacent_injection`), three launches after the small q = h W_sᵀ G
    is U[anchor]; the last position has no successor). Output: [chunks, M, KP] int64 partials.
 2. `transfer_merge_fwd_kernel`, one program per (block, position < B-1): merges the chunks'
    partial top-k, softmax over the k values (fp32), gathers the k rows of U and writes the
-   feature t [n, B-1, r] fp32 (position 0: U[anchor]).
+   feature t [n, B-1, r] fp32 (position 0: U[anchor]); on request also the k ids
+   (`candidates_out`), which `injection_candidates = "first_layer"` hands to the later layers:
+   they re-weight those k rows with their own scores (`transfer_features_on_candidates`,
+   n·(B-2)·k dot products) instead of scanning the vocabulary again.
 3. `injection_gate_fwd_kernel`, grid (M-tiles, H-tiles): out = h + σ(h G_hᵀ + t G_tᵀ + b) ⊙ (t W_oᵀ)
    for positions ≥ 1 (t of the previous position, cast to h's dtype as the reference does) and
    out = h at position 0, reading G once per M-tile without materialising [h; t].
@@ -66,6 +69,21 @@ def transfer_features_reference(h: Tensor, score_weight: Tensor, table: Tensor, 
     t = (weights[..., None] * table[top_idx].float()).sum(-2)    # [n, B, r]
     t = torch.cat([table[anchor_ids].float()[:, None], t[:, 1:]], dim=1)
     return t, scores
+
+
+def transfer_features_on_candidates(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids: Tensor,
+                                   candidates: Tensor) -> Tensor:
+    """Features from given candidates instead of a vocabulary scan (`injection_candidates =
+    "first_layer"`, layers 2..): t [n, B-1, r] fp32 with t[:, 0] = U[anchor] and, for positions
+    1..B-2, the softmax over this layer's scores of `candidates` [n, B-1, k] (row i: the ids layer 1
+    found for position i) of their U rows. n·(B-2)·k dot products of length r: no Triton kernel
+    needed; graph-capturable. With each position's own top-k as candidates it equals
+    `transfer_features_reference` (same scores, fp32 softmax)."""
+    q = (h[:, 1:-1] @ score_weight.T).float()                    # [n, B-2, r]
+    rows = table[candidates[:, 1:]].float()                      # [n, B-2, k, r]
+    weights = torch.softmax(torch.einsum("nbr,nbkr->nbk", q, rows), dim=-1)
+    t = (weights[..., None] * rows).sum(-2)                      # [n, B-2, r]
+    return torch.cat([table[anchor_ids].float()[:, None], t], dim=1)
 
 
 def inject_features_reference(h: Tensor, t: Tensor, gate_weight: Tensor, gate_bias: Tensor,
@@ -211,6 +229,7 @@ def transfer_merge_fwd_kernel(
     table,  # [V, R]
     anchor_ids,  # [n]
     t,  # [n, B - 1, R] fp32 features of the positions that have a successor
+    cand,  # [n, B - 1, K] int64 top-k ids (the anchor's id at position 0), written if WRITE_CAND
     M,
     S,
     B: tl.constexpr,
@@ -219,18 +238,22 @@ def transfer_merge_fwd_kernel(
     K: tl.constexpr,
     KP: tl.constexpr,
     BLOCK_S: tl.constexpr,  # chunks merged per step
+    WRITE_CAND: tl.constexpr,
 ):
     i_p = tl.program_id(0)                                          # = blk * (B - 1) + pos
     i_b, i_pos = i_p // (B - 1), i_p % (B - 1)
     o_r = tl.arange(0, RP)
     m_r = o_r < R
+    o_k = tl.arange(0, KP)
+    m_k = o_k < K
     if i_pos == 0:
         i_anchor = tl.load(anchor_ids + i_b).to(tl.int64)
         b_t = tl.load(table + i_anchor * R + o_r, mask=m_r, other=0.0).to(tl.float32)  # [RP]
+        if WRITE_CAND:
+            tl.store(cand + i_p * K + o_k, tl.zeros([KP], dtype=tl.int64) + i_anchor, mask=m_k)
     else:
         i_m = i_b * (B - 2) + i_pos - 1
         o_s = tl.arange(0, BLOCK_S)
-        o_k = tl.arange(0, KP)
         b_top = _empty_top(1, K, KP)                                # [1, KP]
         for s0 in range(0, S, BLOCK_S):
             m_c = ((s0 + o_s)[:, None] < S) & (o_k[None, :] < K)
@@ -239,7 +262,8 @@ def transfer_merge_fwd_kernel(
             b_key = tl.where(b_key > -9223372036854775807 + KP, b_key, -9223372036854775807)  # drop empty slots
             b_top = _insert_rows(b_top, tl.reshape(b_key, [1, BLOCK_S * KP]), True, K)
         b_val, b_idx = _unpack_keys(tl.reshape(b_top, [KP]))         # [KP]
-        m_k = o_k < K
+        if WRITE_CAND:
+            tl.store(cand + i_p * K + o_k, b_idx.to(tl.int64), mask=m_k)
         b_val = tl.where(m_k, b_val, float("-inf"))
         b_w = tl.exp(b_val - tl.max(b_val, axis=0))
         b_w = b_w / tl.sum(b_w, axis=0)                             # [KP] softmax weights
@@ -357,10 +381,12 @@ def _interpret() -> bool:
 
 
 def transfer_features(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids: Tensor, top_k: int,
-                      blocks: InjectionBlocks | None = None, out: Tensor | None = None) -> Tensor:
+                      blocks: InjectionBlocks | None = None, out: Tensor | None = None,
+                      candidates_out: Tensor | None = None) -> Tensor:
     """Fused `transfer_features_reference` without the [n, B, V] scores: t [n, B-1, r] fp32 for the
     positions that have a successor (t[:, 0] = U[anchor]); written into `out` when given. Scores
-    of the anchor and the last position are never computed."""
+    of the anchor and the last position are never computed. `candidates_out` ([n, B-1, k] int64,
+    optional) receives each position's top-k ids in no particular order (position 0: the anchor's)."""
     n, blk, hidden = h.shape
     vocab, rank = table.shape
     assert blk >= 2 and 1 <= top_k <= vocab and score_weight.shape == (rank, hidden)
@@ -388,8 +414,13 @@ def transfer_features(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids
     else:
         splits, part = 1, torch.empty(1, 1, kp, dtype=torch.int64, device=h.device)
     block_s = max(1, min(_next_pow2(splits), 4096 // kp))
-    transfer_merge_fwd_kernel[(n * (blk - 1),)](part, table, anchor_ids, t, max(rows, 1), splits, B=blk, R=rank,
-                                                RP=rp, K=top_k, KP=kp, BLOCK_S=block_s, num_warps=8)
+    if candidates_out is not None:
+        assert candidates_out.shape == (n, blk - 1, top_k) and candidates_out.dtype == torch.int64
+        assert candidates_out.is_contiguous()
+    transfer_merge_fwd_kernel[(n * (blk - 1),)](part, table, anchor_ids, t,
+                                                candidates_out if candidates_out is not None else t,
+                                                max(rows, 1), splits, B=blk, R=rank, RP=rp, K=top_k, KP=kp,
+                                                BLOCK_S=block_s, WRITE_CAND=candidates_out is not None, num_warps=8)
     return t
 
 
@@ -419,12 +450,14 @@ def inject_features(h: Tensor, t: Tensor, gate_weight: Tensor, gate_bias: Tensor
 
 def adjacent_injection(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids: Tensor, gate_weight: Tensor,
                        gate_bias: Tensor, out_weight: Tensor, top_k: int,
-                       blocks: InjectionBlocks | None = None, out: Tensor | None = None) -> Tensor:
+                       blocks: InjectionBlocks | None = None, out: Tensor | None = None,
+                       candidates_out: Tensor | None = None) -> Tensor:
     """Fused `adjacent_injection_reference` without the scores: h_out [n, B, H] in h's dtype.
 
     h: [n, B, H]; score_weight: [r, H]; table: [V, r] contiguous; anchor_ids: [n]; gate_weight:
     [H, H + r]; gate_bias: [H]; out_weight: [H, r]; all in one dtype (bf16 or fp32), on one
-    device. `out` ([n, B, H], optional) receives the result; `blocks` overrides the launch config.
+    device. `out` ([n, B, H], optional) receives the result; `blocks` overrides the launch config;
+    `candidates_out` receives the top-k ids (see `transfer_features`).
     """
-    t = transfer_features(h, score_weight, table, anchor_ids, top_k, blocks)
+    t = transfer_features(h, score_weight, table, anchor_ids, top_k, blocks, candidates_out=candidates_out)
     return inject_features(h, t, gate_weight, gate_bias, out_weight, blocks, out)

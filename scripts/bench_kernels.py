@@ -86,6 +86,7 @@ from dspine.kernels.adjacent_injection import (  # noqa: E402
     inject_features,
     inject_features_reference,
     transfer_features,
+    transfer_features_on_candidates,
     transfer_features_reference,
 )
 from dspine.kernels.transition_select import transition_path, transition_path_reference  # noqa: E402
@@ -515,6 +516,34 @@ def injection_cases(shape_name: str, shape: dict, bs: int, blocks: InjectionBloc
     measure("injection_5layers_gate_only", shape_name, bs,
             gate_only(lambda *a: inject_features(*a, blocks=blocks)), gate_only(inject_features_reference), inner5,
             DRAFT_LAYERS * injection_bytes(x.hidden, x.vocab, bs, "gate"))
+
+    # injection_candidates = "first_layer": one vocabulary scan (layer 1), later layers re-weight its top-k.
+    def first_layer_chain(first, later):
+        def run():
+            h, candidates = first(*x.args(0))
+            for i in range(1, DRAFT_LAYERS):
+                h = later(candidates, *x.args(i, h))
+            return h
+        return run
+
+    def fused_first(*args):
+        found = torch.empty(bs, BLOCK - 1, TOP_K, dtype=torch.int64, device=DEVICE)
+        return adjacent_injection(*args, blocks=blocks, candidates_out=found), found
+
+    def eager_first(*args):
+        out, scores = adjacent_injection_reference(*args)
+        return out, scores[:, :-1].topk(TOP_K, dim=-1).indices
+
+    def later_layer(gate):
+        def run(candidates, h, score_weight, table, anchor_ids, gate_weight, gate_bias, out_weight, _top_k):
+            t = transfer_features_on_candidates(h, score_weight, table, anchor_ids, candidates)
+            return gate(h, t, gate_weight, gate_bias, out_weight)
+        return run
+
+    measure("injection_5layers_first_layer", shape_name, bs,
+            first_layer_chain(fused_first, later_layer(lambda *a: inject_features(*a, blocks=blocks))),
+            first_layer_chain(eager_first, later_layer(inject_features_reference)), inner5,
+            layer_bytes + (DRAFT_LAYERS - 1) * injection_bytes(x.hidden, x.vocab, bs, "gate"))
 
 
 def selection_cases(shape_name: str, shape: dict, bs: int) -> None:

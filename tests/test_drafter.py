@@ -74,3 +74,28 @@ def test_sliding_window_drops_old_context(llama_target):
     prop2.lengths = prop2.lengths + 24
     prop2.kv = model.context_key_values(model.project_context(pos_tail), prop2.positions)
     assert torch.equal(prop2.propose(torch.tensor([5]), torch.zeros(1), None).tokens, out.tokens)
+
+
+def test_first_layer_candidates_equal_per_layer_when_every_token_is_a_candidate(llama_target):
+    """injection_candidates="first_layer" re-weights layer 1's top-k in later layers: with k = V the
+    candidate sets are the whole vocabulary, so it must equal the per-layer scan (hidden states and
+    layer scores); with k = 2 it differs, and training still reaches every layer's score projection."""
+    vocab = llama_target.config.vocab_size
+    args = None
+    for k, same in ((vocab, True), (2, False)):
+        per = drafter_for(llama_target, seed=0, injection_top_k=k)
+        first = drafter_for(llama_target, seed=0, injection_top_k=k, injection_candidates="first_layer")
+        first.load_state_dict(per.state_dict())
+        args = args or _inputs(per)
+        a, b = per(*args, need_layer_scores=True), first(*args, need_layer_scores=True)
+        if same:
+            torch.testing.assert_close(b.hidden, a.hidden, rtol=1e-5, atol=1e-5)
+            for sa, sb in zip(a.layer_scores, b.layer_scores):
+                torch.testing.assert_close(sb, sa, rtol=1e-5, atol=1e-5)
+        else:
+            assert not torch.allclose(b.hidden, a.hidden, atol=1e-4)
+    first.train()
+    out = first(*args, need_layer_scores=True)
+    (first.logits(out.hidden).logsumexp(-1).mean() + sum(s.logsumexp(-1).mean() for s in out.layer_scores)).backward()
+    for i in range(first.config.num_hidden_layers):
+        assert first.injections[i].score_proj.weight.grad.abs().sum() > 0

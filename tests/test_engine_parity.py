@@ -58,8 +58,9 @@ def plain_outputs(llama_target):
 
 
 @pytest.mark.parametrize("batch_size", [1, 4])
-@pytest.mark.parametrize("variant", [dict(), dict(injection=False, selection="argmax"), dict(transition_lambda=0.0)],
-                         ids=["dspine", "ablation", "lambda0"])
+@pytest.mark.parametrize("variant", [dict(), dict(injection=False, selection="argmax"), dict(transition_lambda=0.0),
+                                     dict(injection_candidates="first_layer")],
+                         ids=["dspine", "ablation", "lambda0", "first-layer-candidates"])
 def test_random_drafter_greedy_parity(llama_target, plain_outputs, batch_size, variant):
     prompts, plain = plain_outputs
     drafter = drafter_for(llama_target, **variant)

@@ -21,6 +21,7 @@ from dspine.kernels.adjacent_injection import (  # noqa: E402
     adjacent_injection_reference,
     inject_features_reference,
     transfer_features,
+    transfer_features_on_candidates,
     transfer_features_reference,
 )
 from dspine.kernels.transition_select import transition_path, transition_path_reference  # noqa: E402
@@ -90,6 +91,46 @@ def _check_injection(n, blk, hidden, vocab, rank, top_k, dtype, device="cpu", se
 ])
 def test_adjacent_injection_matches_reference(n, blk, hidden, vocab, rank, top_k, dtype):
     _check_injection(n, blk, hidden, vocab, rank, top_k, dtype)
+
+
+@interpreted
+@pytest.mark.parametrize("n, blk, hidden, vocab, rank, top_k, dtype", [
+    (2, 16, 32, 900, 32, 8, torch.float32),
+    (3, 8, 48, 1500, 24, 5, torch.bfloat16),
+    (2, 3, 32, 600, 16, 4, torch.float32),
+])
+def test_fused_injection_writes_the_top_k_candidates(n, blk, hidden, vocab, rank, top_k, dtype):
+    """`candidates_out` holds each scored position's top-k ids (any order; the anchor's id at
+    position 0), the same set as the oracle's top-k; h_out is unchanged by asking for them."""
+    x = _injection_inputs(n, blk, hidden, vocab, rank, dtype, seed=3)
+    found = torch.full((n, blk - 1, top_k), -1, dtype=torch.int64)
+    out = adjacent_injection(*x.values(), top_k, candidates_out=found)
+    torch.testing.assert_close(out, adjacent_injection(*x.values(), top_k), rtol=0, atol=0)
+    scores = (x["h"] @ x["score_weight"].T).float() @ x["table"].float().T
+    want = scores.topk(top_k, dim=-1).indices[:, 1:blk - 1]
+    assert torch.equal(found[:, 1:].sort(-1).values, want.sort(-1).values)
+    assert torch.equal(found[:, 0], x["anchor_ids"][:, None].expand(n, top_k))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_features_on_own_top_k_equal_the_vocabulary_scan(dtype):
+    """Re-weighting a position's own top-k (what `injection_candidates = "first_layer"` does with
+    layer 1's) equals the per-layer reference; other candidates give the softmax over theirs."""
+    x = _injection_inputs(3, 8, 32, 800, 16, dtype, seed=5)
+    t_ref, scores = transfer_features_reference(x["h"], x["score_weight"], x["table"], x["anchor_ids"], 6)
+    own = scores[:, :-1].topk(6, dim=-1).indices
+    t = transfer_features_on_candidates(x["h"], x["score_weight"], x["table"], x["anchor_ids"], own)
+    if dtype == torch.float32:
+        torch.testing.assert_close(t, t_ref[:, :-1], rtol=1e-5, atol=1e-5)
+    else:  # the reference softmaxes bf16-rounded scores, this fp32 ones
+        assert _rel(t, t_ref[:, :-1]) < TOL[dtype]
+    other = torch.randint(0, 800, own.shape, generator=torch.Generator().manual_seed(1))
+    t_other = transfer_features_on_candidates(x["h"], x["score_weight"], x["table"], x["anchor_ids"], other)
+    q = (x["h"][:, 1:-1] @ x["score_weight"].T).double()
+    rows = x["table"].double()[other[:, 1:]]
+    brute = (torch.softmax(torch.einsum("nbr,nbkr->nbk", q, rows), -1)[..., None] * rows).sum(-2)
+    assert _rel(t_other[:, 1:], brute) < (1e-6 if dtype == torch.float32 else TOL[dtype])
+    torch.testing.assert_close(t_other[:, 0], x["table"][x["anchor_ids"]].float())
 
 
 def _selection_inputs(bs, n, k, device="cpu", seed=0):

@@ -431,11 +431,19 @@ class DSpineDraftModel(_DFlashDraftModel):
         return tokens, ids, q
 
     # --------------------------------------------------------------------------- forward
-    def inject(self, layer: int, hidden: Tensor, anchor_ids: Tensor, table: Tensor) -> Tensor:
-        """Layer `layer`'s adjacent injection on rows [n*N, H] viewed as [n, N, H]."""
+    def inject(self, layer: int, hidden: Tensor, anchor_ids: Tensor, table: Tensor,
+               candidates: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+        """Layer `layer`'s adjacent injection on rows [n*N, H] viewed as [n, N, H]. Returns the rows
+        and, with `injection_candidates = "first_layer"`, the candidates for the next layer (layer 0
+        finds them, later layers reuse `candidates`); None otherwise."""
         n_h = hidden.shape[-1]
-        out, _ = self.injections[layer](hidden.view(-1, self.block_size, n_h), table, anchor_ids, need_scores=False)
-        return out.reshape(-1, n_h)
+        blocks = hidden.view(-1, self.block_size, n_h)
+        if self.dspine_config.injection_candidates == "first_layer":
+            out, _, candidates = self.injections[layer].forward_with_candidates(blocks, table, anchor_ids,
+                                                                                need_scores=False, candidates=candidates)
+            return out.reshape(-1, n_h), candidates
+        out, _ = self.injections[layer](blocks, table, anchor_ids, need_scores=False)
+        return out.reshape(-1, n_h), None
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, forward_batch, input_embeds: Optional[Tensor] = None,
@@ -454,11 +462,12 @@ class DSpineDraftModel(_DFlashDraftModel):
             # Padded graph rows hold stale (valid) ids; clamp keeps any other value in range.
             anchors = input_ids.view(-1, self.block_size)[:, 0].clamp(0, self.dspine_config.vocab_size - 1)
             table = self.transfer_table()
+        candidates = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(positions, x, forward_batch, None)
             x = h + residual
             if self.injections is not None:
-                x = self.inject(i, x, anchors, table)
+                x, candidates = self.inject(i, x, anchors, table, candidates)
         return LogitsProcessorOutput(next_token_logits=None, hidden_states=self.norm(x))
 
     def confidence_logits(self, hidden: Tensor) -> Optional[Tensor]:

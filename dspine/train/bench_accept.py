@@ -38,6 +38,8 @@ def run_bench_accept(args) -> int:
     for spec in args.drafter:
         name, _, path = spec.partition("=")
         drafters[name] = load_checkpoint(path, target=target, device=args.device, dtype=dtype)
+        if args.injection_candidates and drafters[name].injections is not None:  # a runtime choice: no weights
+            drafters[name].config.injection_candidates = args.injection_candidates
     stops = stop_token_ids(tokenizer, target)
     runs, parity = [], {name: {"prompts": 0, "identical": 0} for name in drafters}
     for dataset in args.datasets:
@@ -143,6 +145,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    p.add_argument("--injection-candidates", choices=["per_layer", "first_layer"], default=None,
+                   help="override how injecting drafters find candidates (default: as trained); first_layer "
+                        "scans the vocabulary once per round instead of once per layer")
     p.add_argument("--check-parity", action="store_true",
                    help="also decode plainly at T=0 and count prompts whose speculative output is identical")
     p.add_argument("--out", default="benchmarks/results/acceptance_smollm2.json")

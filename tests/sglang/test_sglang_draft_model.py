@@ -410,12 +410,12 @@ def test_injection_equals_the_reference_on_the_padded_block_view(attached):
         inj = ref.injections[layer]
         want, _ = adjacent_injection_reference(x.view(-1, N, H), inj.score_proj.weight, ref.transfer_table(), anchors,
                                                inj.gate.weight, inj.gate.bias, inj.out_proj.weight, inj.top_k)
-        got = model.inject(layer, x, anchors, table)
+        got, _ = model.inject(layer, x, anchors, table)
         torch.testing.assert_close(got.view(-1, N, H), want, rtol=1e-5, atol=1e-5)
         # A block never sees another block: changing the padded block leaves the others untouched.
         y = x.clone()
         y[2 * N:] = 100.0
-        torch.testing.assert_close(model.inject(layer, y, anchors, table)[: 2 * N], got[: 2 * N], rtol=0, atol=0)
+        torch.testing.assert_close(model.inject(layer, y, anchors, table)[0][: 2 * N], got[: 2 * N], rtol=0, atol=0)
 
 
 def test_mask_slots_get_the_learned_mask_embedding():
@@ -523,10 +523,10 @@ def test_the_triton_kernels_run_behind_the_same_seams(attached, monkeypatch):
     input_ids = torch.randint(0, V, (n * N,), generator=g)
     anchors = input_ids.view(n, N)[:, 0]
     monkeypatch.setenv("DSPINE_KERNELS", "torch")
-    want_x = model.inject(1, x, anchors, model.transfer_table())
+    want_x, _ = model.inject(1, x, anchors, model.transfer_table())
     want_tokens = reference_tokens(ref, x.view(n, N, H), anchors, torch.zeros(n)).tokens
     monkeypatch.setenv("DSPINE_KERNELS", "triton")
-    torch.testing.assert_close(model.inject(1, x, anchors, model.transfer_table()), want_x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.inject(1, x, anchors, model.transfer_table())[0], want_x, rtol=1e-5, atol=1e-5)
     sampler = DSpineDraftSampler(draft_model=model, block_size=N, max_bs=n, device="cpu")
     sampler(x, input_ids)
     assert torch.equal(sampler.out.view(n, N - 1), want_tokens)
@@ -833,3 +833,42 @@ def test_track_refresh_shim_matches_the_installed_dflash():
 
     # 0.5.17's DFlash verify does not rebuild the track slots; 0.5.22's does (dflash_info.prepare_for_verify).
     assert compat.dflash_verify_refreshes_mamba_track() == (compat.sglang_version() >= "0.5.20")
+
+
+def test_first_layer_candidates_flow_through_the_layers(sglang_env, target_weights, tmp_path, monkeypatch):
+    """injection_candidates="first_layer": `inject` at layer 0 returns the top-k candidates and later
+    layers re-weight them; every layer equals the reference drafter's, and the candidates are layer 0's.
+    The fused Triton path (interpreter on CPU) gives the same rows and candidate sets."""
+    import os
+
+    from dspine.sglang import compat
+
+    emb, head_w = target_weights
+    path = write_checkpoint(tmp_path / "first", dspine_cfg(injection_candidates="first_layer"))
+    model = loaded_model(path)
+    model.attach_target_head(lm_head_layer(head_w), tp_group=compat.tp_group())
+    ref = load_checkpoint(path, dtype=torch.float32)
+    ref.attach_target(emb, head_w)
+    x = torch.randn(3 * N, H, generator=torch.Generator().manual_seed(8))
+    anchors = torch.tensor([5, 17, 0])
+    cands = ref_cands = None
+    for layer in range(5):
+        got, cands = model.inject(layer, x, anchors, model.transfer_table(), cands)
+        want, _, ref_cands = ref.injections[layer].forward_with_candidates(
+            x.view(-1, N, H), ref.transfer_table(), anchors, need_scores=False, candidates=ref_cands)
+        torch.testing.assert_close(got.view(-1, N, H), want, rtol=1e-5, atol=1e-5)
+        assert cands.shape == (3, N - 1, K) and torch.equal(cands, ref_cands)
+        if layer == 0:
+            first = cands
+        assert cands is first  # found once, reused after
+        x = got
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    monkeypatch.setenv("DSPINE_KERNELS", "triton")
+    y, fused = torch.randn(3 * N, H, generator=torch.Generator().manual_seed(8)), None
+    for layer in range(5):
+        want, _ = model.inject(layer, y, anchors, model.transfer_table(), None if layer == 0 else first)
+        got, fused = model.inject(layer, y, anchors, model.transfer_table(), fused)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(fused[:, 1:].sort(-1).values, first[:, 1:].sort(-1).values)
+        y = got
