@@ -17,7 +17,6 @@ computed; the request's temperature picks one). Static shapes, no host sync.
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import Tensor

@@ -53,7 +53,7 @@ def test_viterbi_equals_brute_force(seed):
 
 
 def test_sampled_path_follows_q():
-    bs, n, k = 1, 2, 3
+    n, k = 2, 3
     g = torch.Generator().manual_seed(0)
     unary, pair = torch.randn(1, n, k, generator=g), torch.randn(1, n, k, k, generator=g)
     draws = 20000

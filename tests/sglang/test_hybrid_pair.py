@@ -26,7 +26,6 @@ import importlib.metadata
 import importlib.util
 import inspect
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -45,6 +44,7 @@ from dspine import serving_presets  # noqa: E402
 from dspine.checkpoint import IncompatibleTargetError, check_target_compatible, read_config  # noqa: E402
 from dspine.sglang import compat  # noqa: E402
 from dspine.sglang.rules import FlagError  # noqa: E402
+from sglang_cpu import publish_args, single_process_groups  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 VOCAB = 512
@@ -109,17 +109,6 @@ def default_target(make_pair, tok_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("default_target")
     (path / "config.json").write_text(json.dumps(make_pair.target_config(args, info)))
     return path
-
-
-def publish_args(server_args) -> None:
-    from sglang.srt.runtime_context import publish
-
-    if "ranks" in inspect.signature(publish).parameters:  # 0.5.22
-        from sglang.srt.runtime_context import SpawnRanks
-
-        publish(server_args, role="test", ranks=SpawnRanks(world_rank=0))
-    else:
-        publish(server_args, role="test")
 
 
 def resolve(argv: list[str]):
@@ -241,37 +230,21 @@ def sglang_cpu(plugins, pair):
     SGLang's model-parallel and DP-attention state, and the CPU stand-ins (module docstring)."""
     import sglang.srt.layers.rotary_embedding.base as rotary_base
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.layers import dp_attention
 
     server_args = resolve([*SERVE_SH_BASE, *bench_dspine_flags(pair / "target", pair / "drafter", 32), *CPU])
     publish_args(server_args)
     model_config = ModelConfig.from_server_args(server_args)
-    started = not torch.distributed.is_initialized()
-    if started:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
-    if not ps.model_parallel_is_initialized():
-        if "tensor_model_parallel_size" in inspect.signature(ps.initialize_model_parallel).parameters:  # 0.5.17
-            ps.initialize_model_parallel(tensor_model_parallel_size=1, backend="gloo")
-        else:  # 0.5.22 reads the widths from the published args
-            ps.initialize_model_parallel(backend="gloo")
-    if len(inspect.signature(dp_attention.initialize_dp_attention).parameters) == 2:  # 0.5.17
-        dp_attention.initialize_dp_attention(server_args, model_config)
-    else:
-        dp_attention.initialize_dp_attention(server_args)
     device_module = torch.get_device_module
-    with pytest.MonkeyPatch.context() as mp:
+    with single_process_groups(), pytest.MonkeyPatch.context() as mp:
+        if len(inspect.signature(dp_attention.initialize_dp_attention).parameters) == 2:  # 0.5.17
+            dp_attention.initialize_dp_attention(server_args, model_config)
+        else:
+            dp_attention.initialize_dp_attention(server_args)
         mp.setattr(rotary_base, "_is_cpu", True)
         mp.setattr(torch, "get_device_module",
                    lambda device=None: torch.cpu if device is None else device_module(device))
         yield model_config
-    if started:
-        ps.destroy_model_parallel()
-        ps.destroy_distributed_environment()
 
 
 def test_sglang_sizes_the_gdn_state_of_the_default_shapes(sglang_cpu, default_target):

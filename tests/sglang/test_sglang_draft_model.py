@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -51,6 +50,7 @@ from dspine.config import ConfigError  # noqa: E402
 from dspine.kernels.adjacent_injection import adjacent_injection_reference  # noqa: E402
 from dspine.kernels.transition_select import transition_path_reference  # noqa: E402
 from dspine.transition import select_tokens  # noqa: E402
+from sglang_cpu import publish_args, single_process_groups  # noqa: E402
 
 V, H, N, R, K, TARGET_LAYERS = 256, 64, 8, 16, 4, 6
 TARGET = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": H, "intermediate_size": 128,
@@ -99,12 +99,6 @@ def read_tensors(path) -> dict[str, torch.Tensor]:
         return {name: f.get_tensor(name) for name in f.keys()}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ----------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
@@ -115,12 +109,8 @@ def ckpt(tmp_path_factory):
 def sglang_env(ckpt, tmp_path_factory):
     """Plugins loaded, server args parsed and published by SGLang, a world-1 gloo group with SGLang's
     model-parallel state, and the rotary CPU stand-in (see the module docstring)."""
-    import inspect
-
     import sglang.srt.layers.rotary_embedding.base as rotary_base
-    from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.plugins import load_plugins
-    from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import prepare_server_args
 
     load_plugins()
@@ -131,27 +121,10 @@ def sglang_env(ckpt, tmp_path_factory):
                                        "--skip-tokenizer-init"])
     if hasattr(server_args, "resolve_once"):  # >= 0.5.20
         server_args.resolve_once()
-    if "ranks" in inspect.signature(publish).parameters:  # 0.5.22: this process's ranks come with the publish
-        from sglang.srt.runtime_context import SpawnRanks
-
-        publish(server_args, role="test", ranks=SpawnRanks(world_rank=0))
-    else:
-        publish(server_args, role="test")
-    started = not torch.distributed.is_initialized()
-    if started:
-        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                        distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
-    if not ps.model_parallel_is_initialized():
-        if "tensor_model_parallel_size" in inspect.signature(ps.initialize_model_parallel).parameters:  # 0.5.17
-            ps.initialize_model_parallel(tensor_model_parallel_size=1, backend="gloo")
-        else:  # 0.5.22 reads the widths from the published args
-            ps.initialize_model_parallel(backend="gloo")
-    with pytest.MonkeyPatch.context() as mp:
+    publish_args(server_args)
+    with single_process_groups(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(rotary_base, "_is_cpu", True)
         yield server_args
-    if started:
-        ps.destroy_model_parallel()
-        ps.destroy_distributed_environment()
 
 
 def hf_config_of(path):
