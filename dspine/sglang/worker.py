@@ -130,11 +130,12 @@ class DSpineDraftSampler:
 
 
 def _is_verify_step(batch) -> bool:
-    """A decode step (draft + verify): not a prefill/extend, not an idle DP rank."""
+    """A decode step (draft + verify), by DFlash's own tests: not a prefill (`is_extend()` or
+    `is_extend_in_batch`), not an idle DP rank."""
     mode = getattr(batch, "forward_mode", None)
-    if mode is None:
+    if mode is None or mode.is_extend() or getattr(batch, "is_extend_in_batch", False):
         return False
-    return not mode.is_extend() and not getattr(mode, "is_idle", lambda: False)()
+    return not getattr(mode, "is_idle", lambda: False)()
 
 
 class DSpineWorkerV2(DFlashWorkerV2):

@@ -790,9 +790,11 @@ def test_gdn_track_slots_are_rebuilt_before_verify_where_dflash_does_not(sglang_
     assert order == [("track", decode), ("step", decode)]
     order.clear()
     worker.forward_batch_generation(prefill)
+    mixed = SimpleNamespace(forward_mode=decode.forward_mode, is_extend_in_batch=True)  # DFlash prefills these
+    worker.forward_batch_generation(mixed)
     pool.replayssm_cache_base = None  # not a ReplaySSM target
     worker.forward_batch_generation(decode)
-    assert order == [("step", prefill), ("step", decode)]
+    assert order == [("step", prefill), ("step", mixed), ("step", decode)]
 
     pool.replayssm_cache_base = torch.zeros(4)
     monkeypatch.setattr(compat, "dflash_verify_refreshes_mamba_track", lambda: True)  # 0.5.20+: SGLang does it
