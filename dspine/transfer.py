@@ -82,12 +82,13 @@ class AdjacentInjection(nn.Module):
                                                        self.gate.bias, self.out_proj.weight, self.top_k)
             found = scores[:, :-1].topk(self.top_k, dim=-1).indices
             return out, scores if need_scores else None, found
-        t = transfer_features_on_candidates(h, self.score_proj.weight, table, anchor_ids, candidates)
         if fused:
-            from dspine.kernels.adjacent_injection import inject_features
+            from dspine.kernels.adjacent_injection import candidate_features, inject_features
 
+            t = candidate_features(h, self.score_proj.weight, table, anchor_ids, candidates)
             out = inject_features(h, t, self.gate.weight, self.gate.bias, self.out_proj.weight)
         else:
+            t = transfer_features_on_candidates(h, self.score_proj.weight, table, anchor_ids, candidates)
             out = inject_features_reference(h, t, self.gate.weight, self.gate.bias, self.out_proj.weight)
         scores = (h @ self.score_proj.weight.T) @ table.T if need_scores else None
         return out, scores, candidates

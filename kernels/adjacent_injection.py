@@ -20,8 +20,10 @@ Fused path (`adjacent_injection`), three launches after the small q = h W_sᵀ G
    partial top-k, softmax over the k values (fp32), gathers the k rows of U and writes the
    feature t [n, B-1, r] fp32 (position 0: U[anchor]); on request also the k ids
    (`candidates_out`), which `injection_candidates = "first_layer"` hands to the later layers:
-   they re-weight those k rows with their own scores (`transfer_features_on_candidates`,
-   n·(B-2)·k dot products) instead of scanning the vocabulary again.
+   they re-weight those k rows with their own scores instead of scanning the vocabulary again
+   (`candidate_features_fwd_kernel`, one program per (block, position): k dot products of length r
+   against that position's q row, softmax, weighted sum of the same k rows of U; PyTorch reference
+   `transfer_features_on_candidates`).
 3. `injection_gate_fwd_kernel`, grid (M-tiles, H-tiles): out = h + σ(h G_hᵀ + t G_tᵀ + b) ⊙ (t W_oᵀ)
    for positions ≥ 1 (t of the previous position, cast to h's dtype as the reference does) and
    out = h at position 0, reading G once per M-tile without materialising [h; t].
@@ -76,8 +78,8 @@ def transfer_features_on_candidates(h: Tensor, score_weight: Tensor, table: Tens
     """Features from given candidates instead of a vocabulary scan (`injection_candidates =
     "first_layer"`, layers 2..): t [n, B-1, r] fp32 with t[:, 0] = U[anchor] and, for positions
     1..B-2, the softmax over this layer's scores of `candidates` [n, B-1, k] (row i: the ids layer 1
-    found for position i) of their U rows. n·(B-2)·k dot products of length r: no Triton kernel
-    needed; graph-capturable. With each position's own top-k as candidates it equals
+    found for position i) of their U rows. The reference of `candidate_features` (one launch instead
+    of this chain of small ops). With each position's own top-k as candidates it equals
     `transfer_features_reference` (same scores, fp32 softmax)."""
     q = (h[:, 1:-1] @ score_weight.T).float()                    # [n, B-2, r]
     rows = table[candidates[:, 1:]].float()                      # [n, B-2, k, r]
@@ -274,6 +276,40 @@ def transfer_merge_fwd_kernel(
 
 
 @_kernels.jit
+def candidate_features_fwd_kernel(
+    q,  # [n, B - 2, R] queries h W_sᵀ of positions 1..B-2, table dtype
+    table,  # [V, R]
+    anchor_ids,  # [n]
+    cand,  # [n, B - 1, K] int64 candidate ids (row 0, the anchor's, is not read)
+    t,  # [n, B - 1, R] fp32 features of the positions that have a successor
+    B: tl.constexpr,
+    R: tl.constexpr,
+    RP: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+):
+    i_p = tl.program_id(0)                                          # = blk * (B - 1) + pos
+    i_b, i_pos = i_p // (B - 1), i_p % (B - 1)
+    o_r = tl.arange(0, RP)
+    m_r = o_r < R
+    o_k = tl.arange(0, KP)
+    m_k = o_k < K
+    if i_pos == 0:
+        i_anchor = tl.load(anchor_ids + i_b).to(tl.int64)
+        b_t = tl.load(table + i_anchor * R + o_r, mask=m_r, other=0.0).to(tl.float32)  # [RP]
+    else:
+        b_q = tl.load(q + (i_b * (B - 2) + i_pos - 1) * R + o_r, mask=m_r, other=0.0).to(tl.float32)  # [RP]
+        b_idx = tl.load(cand + i_p * K + o_k, mask=m_k, other=0).to(tl.int64)       # [KP]
+        b_u = tl.load(table + b_idx[:, None] * R + o_r[None, :], mask=m_k[:, None] & m_r[None, :],
+                      other=0.0).to(tl.float32)                     # [KP, RP]
+        b_s = tl.where(m_k, tl.sum(b_u * b_q[None, :], axis=1), float("-inf"))   # [KP] scores
+        b_w = tl.exp(b_s - tl.max(b_s, axis=0))
+        b_w = b_w / tl.sum(b_w, axis=0)                             # [KP] softmax weights
+        b_t = tl.sum(b_w[:, None] * b_u, axis=0)                    # [RP]
+    tl.store(t + i_p * R + o_r, b_t, mask=m_r)
+
+
+@_kernels.jit
 def injection_gate_fwd_kernel(
     h,  # [n * B, H]
     t,  # [n, B - 1, R] fp32
@@ -421,6 +457,27 @@ def transfer_features(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids
                                                 candidates_out if candidates_out is not None else t,
                                                 max(rows, 1), splits, B=blk, R=rank, RP=rp, K=top_k, KP=kp,
                                                 BLOCK_S=block_s, WRITE_CAND=candidates_out is not None, num_warps=8)
+    return t
+
+
+def candidate_features(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids: Tensor, candidates: Tensor,
+                       out: Tensor | None = None) -> Tensor:
+    """Fused `transfer_features_on_candidates`: t [n, B-1, r] fp32 (t[:, 0] = U[anchor]; row i from
+    the softmax over this layer's scores of `candidates[:, i]` [n, B-1, k] int64, row 0 unused),
+    written into `out` when given. One GEMM for q (the reference's own op) and one launch."""
+    n, blk, hidden = h.shape
+    rank = table.shape[1]
+    top_k = candidates.shape[-1]
+    assert blk >= 2 and score_weight.shape == (rank, hidden) and table.is_contiguous()
+    assert candidates.shape == (n, blk - 1, top_k) and candidates.dtype == torch.int64 and anchor_ids.shape == (n,)
+    _kernels.build()
+    t = torch.empty(n, blk - 1, rank, dtype=torch.float32, device=h.device) if out is None else out
+    assert t.shape == (n, blk - 1, rank) and t.dtype == torch.float32 and t.is_contiguous()
+    q = (h[:, 1:-1] @ score_weight.T).contiguous()                  # [n, B-2, r], the reference's own op
+    assert q.dtype == table.dtype, "h, score_weight and table must share a dtype"
+    candidate_features_fwd_kernel[(n * (blk - 1),)](q, table, anchor_ids.contiguous(), candidates.contiguous(), t,
+                                                    B=blk, R=rank, RP=max(16, _next_pow2(rank)), K=top_k,
+                                                    KP=max(2, _next_pow2(top_k)), num_warps=4)
     return t
 
 

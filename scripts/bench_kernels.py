@@ -83,6 +83,7 @@ from dspine.kernels.adjacent_injection import (  # noqa: E402
     adjacent_injection,
     adjacent_injection_reference,
     blocks_for,
+    candidate_features,
     inject_features,
     inject_features_reference,
     transfer_features,
@@ -96,9 +97,12 @@ from dspine.transition import TransitionScorer, select_tokens  # noqa: E402
 # RESULTS (kernels_h200.json): {"device", "date", "torch", "triton", "command", "copy_bandwidth_gbs",
 #   "cases": [{"name", "shape", "bs", "triton_ms", "eager_ms", "compile_ms" (null: not compiled or
 #              failed), "gbs" (bytes floor of the case / triton_ms)}],
-#   "round": [{"shape", "bs", "dspine_ms", "ablation_ms"}],
+#   "round": [{"shape", "bs", "dspine_ms", "ablation_ms", "dspine_first_layer_ms"}],
 #   "verify": [{"shape", "bs", "tokens", "context", "verify_ms", "dspine_round_ms", "ablation_round_ms",
-#               "round_ratio", "verify_inclusive_ratio"}],
+#               "round_ratio", "verify_inclusive_ratio", "first_layer_round_ms", "first_layer_round_ratio",
+#               "first_layer_verify_inclusive_ratio"}],
+# dspine_ms is the drafter with injection_candidates "per_layer" (a vocabulary scan in every layer),
+# dspine_first_layer_ms with "first_layer" (one scan; later layers re-weight layer 1's top-k).
 #   "targets": {name: {"target", "value", "met"}}}
 
 SHAPES = {  # drafter = target shapes; transfer rank 256, injection/selection top-k 8, blocks of 16
@@ -160,7 +164,7 @@ RESULTS: dict = {
     "command": " ".join(["python"] + sys.argv),
     "copy_bandwidth_gbs": None, "cases": [], "round": [], "verify": [], "targets": {},
 }
-DETAILS: dict = {"budget_s": BUDGET_S, "reps": REPS, "sweep": [], "best_blocks": {}, "correctness": [],
+DETAILS: dict = {"budget_s": BUDGET_S, "reps": REPS, "sweep": [], "best_blocks": {}, "correctness": [], "argmax_ms": {},
                  "compile_s": {}, "round_torch_kernels": [], "errors": [], "notes": [], "floors_ms": {}}
 
 
@@ -534,15 +538,17 @@ def injection_cases(shape_name: str, shape: dict, bs: int, blocks: InjectionBloc
         out, scores = adjacent_injection_reference(*args)
         return out, scores[:, :-1].topk(TOP_K, dim=-1).indices
 
-    def later_layer(gate):
+    def later_layer(features, gate):
         def run(candidates, h, score_weight, table, anchor_ids, gate_weight, gate_bias, out_weight, _top_k):
-            t = transfer_features_on_candidates(h, score_weight, table, anchor_ids, candidates)
+            t = features(h, score_weight, table, anchor_ids, candidates)
             return gate(h, t, gate_weight, gate_bias, out_weight)
         return run
 
     measure("injection_5layers_first_layer", shape_name, bs,
-            first_layer_chain(fused_first, later_layer(lambda *a: inject_features(*a, blocks=blocks))),
-            first_layer_chain(eager_first, later_layer(inject_features_reference)), inner5,
+            first_layer_chain(fused_first, later_layer(candidate_features,
+                                                       lambda *a: inject_features(*a, blocks=blocks))),
+            first_layer_chain(eager_first, later_layer(transfer_features_on_candidates, inject_features_reference)),
+            inner5,
             layer_bytes + (DRAFT_LAYERS - 1) * injection_bytes(x.hidden, x.vocab, bs, "gate"))
 
 
@@ -583,6 +589,9 @@ def selection_cases(shape_name: str, shape: dict, bs: int) -> None:
     nbytes = logits.numel() * logits.element_size() + bs * n * k * 2 * RANK * table.element_size()
     with torch.no_grad():
         measure("select_tokens", shape_name, bs, select("triton"), select("torch"), inner, nbytes)
+        # What the ablation's selection costs (argmax of the same logits): select_tokens minus this
+        # is what transition selection adds to a round.
+        DETAILS["argmax_ms"][f"{shape_name}/bs{bs}"] = bench_ms(lambda: logits.argmax(-1), inner=inner)
     os.environ["DSPINE_KERNELS"] = "triton" if SMOKE else "auto"
 
 
@@ -599,9 +608,11 @@ def drafter_config(shape: dict, **overrides) -> DSpineConfig:
 class Round:
     """One drafter (DSpine or ablation) with a proposer holding a CONTEXT-token context per row."""
 
-    def __init__(self, shape: dict, embeddings: tuple, bs: int, ablation: bool, seed: int = 0):
+    def __init__(self, shape: dict, embeddings: tuple, bs: int, ablation: bool, seed: int = 0,
+                 candidates: str = "per_layer"):
         torch.manual_seed(seed)
-        cfg = drafter_config(shape, **({"injection": False, "selection": "argmax"} if ablation else {}))
+        cfg = drafter_config(shape, **({"injection": False, "selection": "argmax"} if ablation
+                                       else {"injection_candidates": candidates}))
         with torch.device(DEVICE):
             self.model = DSpineDraftModel(cfg).to(DTYPE).eval()
         with torch.no_grad():  # no all-zero parameters in what we time
@@ -630,28 +641,28 @@ class Round:
 
 
 def round_section(shape_name: str, shape: dict) -> dict:
-    """Draft-round ms per bs: {bs: (dspine_ms, ablation_ms)}."""
+    """Draft-round ms per bs: {bs: (dspine_ms, ablation_ms, dspine_first_layer_ms)}."""
     g = torch.Generator(device=DEVICE).manual_seed(7)
     embeddings = tuple(torch.randn(shape["vocab"], shape["hidden"], generator=g, device=DEVICE).to(DTYPE)
                        for _ in range(2))
     out = {}
-    dspine = ablation = None
+    dspine = ablation = first = None
     try:
         dspine = Round(shape, embeddings, BATCHES[0], ablation=False)
         ablation = Round(shape, embeddings, BATCHES[0], ablation=True)
+        first = Round(shape, embeddings, BATCHES[0], ablation=False, candidates="first_layer")
         for bs in BATCHES:
             if remaining() < 30:
                 DETAILS["notes"].append(f"round {shape_name} bs={bs} skipped: out of budget")
                 break
-            dspine.resize(bs)
-            ablation.resize(bs)
-            d_ms = bench_ms(dspine.propose)
-            a_ms = bench_ms(ablation.propose)
-            out[bs] = (d_ms, a_ms)
+            for r in (dspine, ablation, first):
+                r.resize(bs)
+            d_ms, a_ms, f_ms = (bench_ms(r.propose) for r in (dspine, ablation, first))
+            out[bs] = (d_ms, a_ms, f_ms)
             RESULTS["round"].append({"shape": shape_name, "bs": bs, "dspine_ms": round(d_ms, 4),
-                                     "ablation_ms": round(a_ms, 4)})
-            log(f"  round {shape_name:<13} bs={bs:<3} DSpine {d_ms:8.4f} ms  ablation {a_ms:8.4f} ms  "
-                f"ratio {d_ms / a_ms:5.3f}")
+                                     "ablation_ms": round(a_ms, 4), "dspine_first_layer_ms": round(f_ms, 4)})
+            log(f"  round {shape_name:<13} bs={bs:<3} DSpine {d_ms:8.4f} ms  first-layer {f_ms:8.4f} ms  "
+                f"ablation {a_ms:8.4f} ms  ratios {d_ms / a_ms:5.3f} / {f_ms / a_ms:5.3f}")
             save()
             if not SMOKE:  # the same round with the PyTorch references in place of the kernels
                 os.environ["DSPINE_KERNELS"] = "torch"
@@ -664,7 +675,7 @@ def round_section(shape_name: str, shape: dict) -> dict:
                 save()
     except Exception as exc:  # noqa: BLE001
         record_error(f"round {shape_name}", exc)
-    del dspine, ablation, embeddings
+    del dspine, ablation, first, embeddings
     return out
 
 
@@ -731,10 +742,12 @@ def verify_section(shape_name: str, shape: dict, rounds: dict) -> None:
             entry = {"shape": shape_name, "bs": bs, "tokens": BLOCK, "context": CONTEXT, "verify_ms": round(v_ms, 4),
                      "weight_bytes_floor_ms": round(floor_ms, 4)}
             if bs in rounds:
-                d_ms, a_ms = rounds[bs]
+                d_ms, a_ms, f_ms = rounds[bs]
                 entry.update(dspine_round_ms=round(d_ms, 4), ablation_round_ms=round(a_ms, 4),
                              round_ratio=round(d_ms / a_ms, 4),
-                             verify_inclusive_ratio=round((v_ms + d_ms) / (v_ms + a_ms), 4))
+                             verify_inclusive_ratio=round((v_ms + d_ms) / (v_ms + a_ms), 4),
+                             first_layer_round_ms=round(f_ms, 4), first_layer_round_ratio=round(f_ms / a_ms, 4),
+                             first_layer_verify_inclusive_ratio=round((v_ms + f_ms) / (v_ms + a_ms), 4))
             RESULTS["verify"].append(entry)
             log(f"  verify {shape_name:<13} bs={bs:<3} {v_ms:8.4f} ms  {entry}")
             save()
@@ -762,6 +775,20 @@ def targets() -> None:
     if sel:
         t["selection_ms"] = {"target": "<= 0.05", "value": sel["triton_ms"], "met": sel["triton_ms"] <= 0.05,
                              "note": "whole select_tokens (top-K of the logits, pair scores, path kernel)"}
+        argmax = DETAILS["argmax_ms"].get(f"{name}/bs{bs}")
+        if argmax is not None:
+            extra = sel["triton_ms"] - argmax
+            t["selection_over_argmax_ms"] = {"target": "<= 0.05", "value": round(extra, 5), "met": extra <= 0.05,
+                                             "note": "select_tokens minus the ablation's argmax of the same logits"}
+    first = _find(RESULTS["cases"], name="injection_5layers_first_layer", shape=name, bs=bs)
+    if first and five:
+        t["injection_5layers_first_layer_ms"] = {"target": "<= 0.15", "value": first["triton_ms"],
+                                                 "met": first["triton_ms"] <= 0.15}
+        speed = five["eager_ms"] / first["triton_ms"]
+        t["injection_5layers_first_layer_speedup_vs_eager"] = {
+            "target": ">= 3", "value": round(speed, 3), "met": speed >= 3,
+            "note": "vs the eager per-layer reference (the PyTorch path of the default drafter before first_layer); "
+                    f"vs the eager first-layer chain: {first['eager_ms'] / first['triton_ms']:.3f}"}
     if path:
         t["transition_path_kernel_ms"] = {"target": "<= 0.05", "value": path["triton_ms"],
                                           "met": path["triton_ms"] <= 0.05}
@@ -769,10 +796,16 @@ def targets() -> None:
     if rnd:
         ratio = rnd["dspine_ms"] / rnd["ablation_ms"]
         t["round_ratio"] = {"target": "<= 1.10", "value": round(ratio, 4), "met": ratio <= 1.10}
+        if "dspine_first_layer_ms" in rnd:
+            ratio = rnd["dspine_first_layer_ms"] / rnd["ablation_ms"]
+            t["first_layer_round_ratio"] = {"target": "<= 1.10", "value": round(ratio, 4), "met": ratio <= 1.10}
     ver = _find(RESULTS["verify"], shape=name, bs=bs)
     if ver and "verify_inclusive_ratio" in ver:
         t["verify_inclusive_ratio"] = {"target": "<= 1.03 (goal)", "value": ver["verify_inclusive_ratio"],
                                        "met": ver["verify_inclusive_ratio"] <= 1.03}
+    if ver and "first_layer_verify_inclusive_ratio" in ver:
+        value = ver["first_layer_verify_inclusive_ratio"]
+        t["first_layer_verify_inclusive_ratio"] = {"target": "<= 1.03 (goal)", "value": value, "met": value <= 1.03}
     bw = RESULTS["copy_bandwidth_gbs"]
     if bw:
         shape = shape_table()[name]
@@ -829,11 +862,15 @@ def plot() -> None:
         rows = RESULTS["round"]
         labels = [f"{r['shape']}\nbs={r['bs']}" for r in rows]
         xs = range(len(rows))
-        ax.bar([i - w / 2 for i in xs], [r["ablation_ms"] for r in rows], w, label="ablation round")
-        ax.bar([i + w / 2 for i in xs], [r["dspine_ms"] for r in rows], w, label="DSpine round")
+        ax.bar([i - w for i in xs], [r["ablation_ms"] for r in rows], w, label="ablation round")
+        ax.bar(list(xs), [r["dspine_ms"] for r in rows], w, label="DSpine round, per-layer candidates")
+        ax.bar([i + w for i in xs], [r.get("dspine_first_layer_ms", 0) for r in rows], w,
+               label="DSpine round, first-layer candidates")
         for i, r in enumerate(rows):
-            ax.text(i, max(r["dspine_ms"], r["ablation_ms"]) * 1.02, f"x{r['dspine_ms'] / r['ablation_ms']:.2f}",
-                    ha="center", fontsize=8)
+            ratios = f"x{r['dspine_ms'] / r['ablation_ms']:.2f}"
+            if "dspine_first_layer_ms" in r:
+                ratios += f"\nx{r['dspine_first_layer_ms'] / r['ablation_ms']:.2f}"
+            ax.text(i, max(r["dspine_ms"], r["ablation_ms"]) * 1.02, ratios, ha="center", fontsize=7)
         ax.set_xticks(list(xs), labels, fontsize=8)
         ax.set_ylabel("ms per draft round")
         ax.set_title(f"draft round (5 layers + lm_head + selection), context {CONTEXT}")

@@ -19,6 +19,7 @@ from dspine.drafter import DSpineDraftModel  # noqa: E402
 from dspine.kernels.adjacent_injection import (  # noqa: E402
     adjacent_injection,
     adjacent_injection_reference,
+    candidate_features,
     inject_features_reference,
     transfer_features,
     transfer_features_on_candidates,
@@ -254,6 +255,64 @@ def test_adjacent_injection_gpu(n, hidden, vocab, top_k):
     bad = ((t - t_ref[:, :-1]).abs().amax(-1) > 1e-3).sum().item()
     assert bad <= max(1, n * 14 // 100), f"{bad} rows differ"
     assert _rel(out, h_ref) < TOL[torch.bfloat16]
+
+
+def _check_candidate_features(n, blk, hidden, vocab, rank, top_k, dtype, device="cpu", seed=0):
+    """The fused later-layer features against `transfer_features_on_candidates` on random
+    candidates (repeats allowed, as a layer-1 top-k never has them but the kernel must not care)."""
+    x = _injection_inputs(n, blk, hidden, vocab, rank, dtype, device, seed)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    cand = torch.randint(0, vocab, (n, blk - 1, top_k), generator=g).to(device)
+    t = torch.full((n, blk - 1, rank), float("nan"), device=device)
+    candidate_features(x["h"], x["score_weight"], x["table"], x["anchor_ids"], cand, out=t)
+    want = transfer_features_on_candidates(x["h"], x["score_weight"], x["table"], x["anchor_ids"], cand)
+    assert not t.isnan().any()
+    torch.testing.assert_close(t[:, 0], x["table"][x["anchor_ids"]].float(), rtol=0, atol=0)
+    torch.testing.assert_close(t, want, rtol=1e-5, atol=1e-5)  # both score in fp32 from the same q
+
+
+@interpreted
+@pytest.mark.parametrize("n, blk, hidden, rank, top_k, dtype", [
+    (1, 16, 64, 32, 8, torch.float32), (3, 8, 48, 16, 4, torch.bfloat16), (5, 16, 32, 24, 16, torch.float32),
+    (2, 3, 16, 16, 5, torch.bfloat16),
+])
+def test_candidate_features_kernel(n, blk, hidden, rank, top_k, dtype):
+    _check_candidate_features(n, blk, hidden, 300, rank, top_k, dtype, seed=n)
+
+
+@interpreted
+def test_first_layer_drafter_uses_the_candidate_kernel_and_matches_the_reference(monkeypatch):
+    """A first_layer drafter through the kernels (forced) equals its PyTorch path."""
+    torch.manual_seed(0)
+    cfg = DSpineConfig(hidden_size=32, vocab_size=300, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=64, num_target_layers=4, mask_token_id=0, num_hidden_layers=5,
+                       block_size=8, transfer_rank=16, injection_top_k=4, selection_top_k=4, sliding_window=64,
+                       injection_candidates="first_layer")
+    model = DSpineDraftModel(cfg).eval()
+    model.attach_target(torch.randn(300, 32), torch.randn(300, 32))
+    h = torch.randn(2, 8, 32)
+    anchors = torch.randint(0, 300, (2,))
+    table = model.transfer_table()
+    calls = []
+    import dspine.kernels.adjacent_injection as kernels_module
+    real = kernels_module.candidate_features
+    monkeypatch.setattr(kernels_module, "candidate_features", lambda *a, **k: calls.append(1) or real(*a, **k))
+    outs = {}
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("DSPINE_KERNELS", mode)
+        x, cand = h, None
+        for layer in model.injections:
+            x, _, cand = layer.forward_with_candidates(x, table, anchors, need_scores=False, candidates=cand)
+        outs[mode] = x
+    assert len(calls) == len(model.injections) - 1  # every later layer, only under "triton"
+    torch.testing.assert_close(outs["triton"], outs["torch"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n, hidden, vocab, top_k", [(1, 4096, 151936, 8), (64, 576, 49152, 16)])
+def test_candidate_features_gpu(n, hidden, vocab, top_k):
+    _check_candidate_features(n, 16, hidden, vocab, 256, top_k, torch.bfloat16, device="cuda", seed=n)
 
 
 @pytest.mark.gpu
