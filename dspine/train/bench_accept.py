@@ -32,6 +32,10 @@ def device_name(device: str) -> str:
 
 
 def run_bench_accept(args) -> int:
+    if args.merge:
+        return merge_results([Path(f) for f in args.merge], Path(args.out))
+    if not args.drafter:
+        raise SystemExit("bench-accept: give at least one --drafter NAME=PATH (or --merge FILES)")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     target, tokenizer = load_target(args.target, dtype=dtype, device=args.device)
     drafters = {}
@@ -40,6 +44,13 @@ def run_bench_accept(args) -> int:
         drafters[name] = load_checkpoint(path, target=target, device=args.device, dtype=dtype)
         if args.injection_candidates and drafters[name].injections is not None:  # a runtime choice: no weights
             drafters[name].config.injection_candidates = args.injection_candidates
+        if args.selection == "transition" and drafters[name].transition is None:
+            raise SystemExit(f"bench-accept --selection transition: drafter {name!r} has no transition scorer "
+                             f"(it was trained with selection=argmax)")
+        if args.selection:
+            drafters[name].config.selection = args.selection
+        if args.transition_lambda is not None:
+            drafters[name].config.transition_lambda = args.transition_lambda
     stops = stop_token_ids(tokenizer, target)
     runs, parity = [], {name: {"prompts": 0, "identical": 0} for name in drafters}
     for dataset in args.datasets:
@@ -71,6 +82,35 @@ def run_bench_accept(args) -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(runs)
     plot(runs, out.with_suffix(".png"))
+    return 0
+
+
+def merge_results(paths: list[Path], out: Path) -> int:
+    """Join result files of the same target and settings, measured by separate processes (e.g. one
+    drafter per GPU), into one: drafters, runs and greedy parity are united, the summary recomputed.
+    A drafter name found in two files, or files of different targets or settings, is an error."""
+    results = [json.loads(p.read_text()) for p in paths]
+    first = results[0]
+    for path, r in zip(paths[1:], results[1:]):
+        for key in ("target", "max_new_tokens", "dtype"):
+            if r.get(key) != first.get(key):
+                raise SystemExit(f"bench-accept --merge: {path} has {key}={r.get(key)!r}, "
+                                 f"{paths[0]} has {first.get(key)!r}; merge only runs of the same settings")
+    merged = dict(first, drafters={}, runs=[], greedy_parity={} if first.get("greedy_parity") is not None else None,
+                  command=" | ".join(r["command"] for r in results), merged_from=[str(p) for p in paths])
+    for path, r in zip(paths, results):
+        clash = set(r["drafters"]) & set(merged["drafters"])
+        if clash:
+            raise SystemExit(f"bench-accept --merge: drafter {sorted(clash)} appears twice (again in {path})")
+        merged["drafters"].update(r["drafters"])
+        merged["runs"].extend(r["runs"])
+        if merged["greedy_parity"] is not None:
+            merged["greedy_parity"].update(r.get("greedy_parity") or {})
+    merged["summary"] = summarise(merged["runs"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(merged, indent=2) + "\n")
+    print_table(merged["runs"])
+    plot(merged["runs"], out.with_suffix(".png"))
     return 0
 
 
@@ -134,7 +174,7 @@ def plot(runs: list[dict], path: Path) -> None:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--drafter", action="append", required=True, metavar="NAME=PATH",
+    p.add_argument("--drafter", action="append", metavar="NAME=PATH",
                    help="a drafter to measure (repeatable), e.g. dspine=checkpoints/dspine-smollm2-135m-instruct")
     p.add_argument("--target", default=None)
     p.add_argument("--datasets", nargs="+", default=list(EVAL_SETS), choices=list(EVAL_SETS))
@@ -148,6 +188,14 @@ def add_arguments(p) -> None:
     p.add_argument("--injection-candidates", choices=["per_layer", "first_layer"], default=None,
                    help="override how injecting drafters find candidates (default: as trained); first_layer "
                         "scans the vocabulary once per round instead of once per layer")
+    p.add_argument("--selection", choices=["argmax", "transition"], default=None,
+                   help="override how drafters pick their tokens (default: as trained); argmax on a DSpine "
+                        "drafter isolates what the transition selection adds")
+    p.add_argument("--transition-lambda", type=float, default=None,
+                   help="override the transition selection's pair-score weight (default: the checkpoint's)")
     p.add_argument("--check-parity", action="store_true",
                    help="also decode plainly at T=0 and count prompts whose speculative output is identical")
     p.add_argument("--out", default="benchmarks/results/acceptance_smollm2.json")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="no measuring: join result files written by separate runs (e.g. one drafter per GPU) "
+                        "into --out, recompute the summary and redraw the plot")

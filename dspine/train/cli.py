@@ -69,6 +69,10 @@ def add_command(sub) -> None:
     b = sub.add_parser("bench-accept", help="τ and per-position acceptance on the evaluation sets",
                        formatter_class=raw,
                        description="Example:\n  dspine bench-accept --drafter dspine=checkpoints/dspine-smollm2-135m-instruct"
-                                   " \\\n      --drafter ablation=runs/ablation/checkpoint --num-prompts 64")
+                                   " \\\n      --drafter ablation=runs/ablation/checkpoint --num-prompts 64\n"
+                                   "One drafter per GPU, then one file:\n"
+                                   "  CUDA_VISIBLE_DEVICES=1 dspine bench-accept --drafter ablation=... --out abl.json &\n"
+                                   "  dspine bench-accept --drafter dspine=... --out dsp.json; wait\n"
+                                   "  dspine bench-accept --merge dsp.json abl.json --out acceptance.json")
     bench_accept.add_arguments(b)
     b.set_defaults(func=bench_accept.run_bench_accept)

@@ -1,0 +1,99 @@
+"""`dspine bench-accept`: `--merge` joins the result files of separate runs; `--selection` and
+`--transition-lambda` override how a loaded drafter selects its tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dspine.train.bench_accept import merge_results
+
+
+def _result(name: str, taus: dict, identical: int) -> dict:
+    runs = [{"method": name, "dataset": ds, "temperature": t, "n_prompts": 4, "tau": tau,
+             "per_position_accept": [0.5]} for (ds, t), tau in taus.items()]
+    return {"target": "smollm2-135m-instruct", "date": "d", "device": "cpu", "command": f"run {name}",
+            "torch": "x", "drafters": {name: f"/ckpt/{name}"}, "max_new_tokens": 16, "dtype": "float32",
+            "prompt_sources": {}, "summary": {}, "greedy_parity": {name: {"prompts": 4, "identical": identical}},
+            "runs": runs}
+
+
+def test_merge_unites_runs_and_recomputes_the_ratio(tmp_path):
+    a = tmp_path / "a.json"
+    b = tmp_path / "b.json"
+    a.write_text(json.dumps(_result("dspine", {("gsm8k", 0.0): 3.0, ("mbpp", 0.0): 2.0}, 4)))
+    b.write_text(json.dumps(_result("ablation", {("gsm8k", 0.0): 2.0, ("mbpp", 0.0): 2.0}, 3)))
+    out = tmp_path / "merged.json"
+    assert merge_results([a, b], out) == 0
+    merged = json.loads(out.read_text())
+    assert merged["drafters"] == {"dspine": "/ckpt/dspine", "ablation": "/ckpt/ablation"}
+    assert len(merged["runs"]) == 4
+    assert merged["summary"]["T=0"]["ratio_dspine_over_ablation"] == pytest.approx(2.5 / 2.0)
+    assert merged["greedy_parity"] == {"dspine": {"prompts": 4, "identical": 4},
+                                       "ablation": {"prompts": 4, "identical": 3}}
+
+
+def test_merge_refuses_mixed_settings_and_repeated_drafters(tmp_path):
+    a = tmp_path / "a.json"
+    b = tmp_path / "b.json"
+    a.write_text(json.dumps(_result("dspine", {("gsm8k", 0.0): 3.0}, 4)))
+    other = _result("ablation", {("gsm8k", 0.0): 2.0}, 4)
+    other["max_new_tokens"] = 32
+    b.write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="max_new_tokens"):
+        merge_results([a, b], tmp_path / "m.json")
+    b.write_text(json.dumps(_result("dspine", {("mbpp", 0.0): 2.0}, 4)))
+    with pytest.raises(SystemExit, match="appears twice"):
+        merge_results([a, b], tmp_path / "m.json")
+    assert not (tmp_path / "m.json").exists()
+
+
+def _parse(argv: list[str]):
+    import argparse
+
+    from dspine.train.bench_accept import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_selection_overrides_reach_the_drafter_and_refuse_a_drafter_without_a_scorer(tmp_path, monkeypatch):
+    """`--selection` / `--transition-lambda` change how the loaded drafter selects (checked where
+    generation receives it); `--selection transition` on an argmax-trained drafter is refused."""
+    from conftest import drafter_for, tiny_llama
+
+    import dspine.train.bench_accept as bench_accept
+    from dspine.checkpoint import save_checkpoint
+
+    target = tiny_llama()
+    seen = []
+
+    class Result:
+        tokens = [[5]]
+        stats = type("Stats", (), {"tau": 1.0, "per_position_accept": [0.0], "tokens_per_s": 1.0, "rounds": 1})()
+
+    def fake_generate(target_, drafter, ids, **kw):
+        seen.append(None if drafter is None else (drafter.config.selection, drafter.config.transition_lambda))
+        return Result()
+
+    monkeypatch.setattr(bench_accept, "load_target", lambda *a, **k: (target, None))
+    monkeypatch.setattr(bench_accept, "stop_token_ids", lambda *a: [2])
+    monkeypatch.setattr(bench_accept, "load_eval_set", lambda name, limit: [type("P", (), {"messages": []})()])
+    monkeypatch.setattr(bench_accept, "chat_prompt_ids", lambda tok, messages: [1, 5, 6])
+    monkeypatch.setattr(bench_accept, "generate", fake_generate)
+    monkeypatch.setattr(bench_accept, "plot", lambda runs, path: None)
+    save_checkpoint(drafter_for(target), tmp_path / "dspine")
+    save_checkpoint(drafter_for(target, injection=False, selection="argmax"), tmp_path / "ablation")
+    common = ["--datasets", "gsm8k", "--temperatures", "0.0", "--device", "cpu", "--out", str(tmp_path / "r.json")]
+    assert bench_accept.run_bench_accept(_parse(["--drafter", f"d={tmp_path / 'dspine'}", "--selection", "argmax",
+                                                 *common])) == 0
+    assert seen == [("argmax", 1.0)]
+    seen.clear()
+    assert bench_accept.run_bench_accept(_parse(["--drafter", f"d={tmp_path / 'dspine'}", "--transition-lambda",
+                                                 "0.5", *common])) == 0
+    assert seen == [("transition", 0.5)]
+    with pytest.raises(SystemExit, match="no transition scorer"):
+        bench_accept.run_bench_accept(_parse(["--drafter", f"a={tmp_path / 'ablation'}", "--selection",
+                                              "transition", *common]))
