@@ -83,3 +83,32 @@ def test_profile_reports_the_step_and_touches_no_run_dir(tmp_path, tiny_target_d
     assert report.startswith("dspine train --profile-steps 1: ") and "ms per step" in report
     assert "aten::" in report and "Self CPU time total" in report  # the operator table
     assert not (tmp_path / "run").exists()
+
+
+def test_heldout_tau_gives_no_free_acceptances_past_the_sequence_end(monkeypatch):
+    """With an oracle selection every slot with a label is accepted, so a block whose only label is
+    the last answer token scores 1 + 1: slots past the end must stop the count, not extend it."""
+    from conftest import drafter_for, tiny_llama
+
+    import dspine.train.trainer as trainer
+
+    target = tiny_llama()
+    drafter = drafter_for(target, block_size=8)
+
+    def oracle(logits, anchors, temperature, **_):
+        return type("Selected", (), {"tokens": oracle.labels.clamp(min=0)})()  # a real token everywhere
+
+    real_make = trainer.make_block_batch
+
+    def make_and_remember(*args, **kwargs):
+        batch = real_make(*args, **kwargs)
+        oracle.labels = batch.labels
+        return batch
+
+    monkeypatch.setattr(trainer, "select_tokens", oracle)
+    monkeypatch.setattr(trainer, "make_block_batch", make_and_remember)
+    records = [{"ids": list(range(10, 20)), "answer_start": 8}, {"ids": list(range(30, 40)), "answer_start": 8}]
+    cfg = TrainConfig(data="unused", run_dir="unused", batch_size=2, blocks_per_seq=3, max_len=64)
+    assert trainer.heldout_tau(drafter, target, records, cfg, "cpu") == 2.0
+    long_records = [{"ids": list(range(10, 40)), "answer_start": 2}]
+    assert trainer.heldout_tau(drafter, target, long_records, cfg, "cpu") > 2.0  # full blocks do score more

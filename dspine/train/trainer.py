@@ -125,7 +125,8 @@ def block_losses(model: DSpineDraftModel, target, batch: BlockBatch, cfg: TrainC
 @torch.no_grad()
 def heldout_tau(model: DSpineDraftModel, target, records: list[dict], cfg: TrainConfig, device) -> float:
     """Teacher-forced acceptance estimate: per block, 1 + the number of leading slots whose selected
-    token equals the target's answer token (greedy answers, so equal to the target's argmax)."""
+    token equals the target's answer token (greedy answers, so equal to the target's argmax). Slots
+    past the end of the sequence end the count (they are not free acceptances)."""
     model.eval()
     dc = model.config
     gen = torch.Generator().manual_seed(1234)
@@ -146,7 +147,7 @@ def heldout_tau(model: DSpineDraftModel, target, records: list[dict], cfg: Train
         sel = select_tokens(logits, batch.anchor_ids.reshape(-1), torch.zeros(n, device=device), mode=dc.selection,
                             top_k=dc.selection_top_k, lam=dc.transition_lambda, scorer=model.transition,
                             table=model.transfer_table())
-        ok = (sel.tokens == batch.labels) | (batch.labels < 0)
+        ok = sel.tokens == batch.labels
         total += float((ok.long().cumprod(-1).sum(-1) + 1).sum())
         blocks += n
     model.train()
