@@ -314,3 +314,15 @@ def test_openai_client_demo_reports_stream_mismatch(stub_server, capsys):
     demo = _load("openai_client_demo")
     assert demo.main(["--base-url", stub_server("broken") + "/v1", "--max-tokens", "6"]) == 1
     assert "streamed text differs" in capsys.readouterr().err
+
+
+def test_a_run_without_ar_creates_its_out_dir_and_leaves_ceiling_and_parity_null(stub_server, prompts_dir, tmp_path):
+    bench = _load("bench_serving")
+    out = tmp_path / "not" / "there" / "yet"
+    rc = bench.main(["--url", f"DSPINE={stub_server('dspine')}", "--configs", "DSPINE", "--prompts", "3",
+                     "--max-tokens", "4", "--concurrency", "1", "--waves", "1", "--results-name", "probe",
+                     "--out-dir", str(out)])
+    assert rc == 0
+    results = json.loads((out / "probe.json").read_text())
+    assert results["ceiling"] is None and results["parity"] is None
+    assert [r["algorithm"] for r in results["runs"]] == ["DSPINE"]
