@@ -75,18 +75,24 @@ def save_checkpoint(model: DSpineDraftModel, path: str | os.PathLike, *, dtype: 
             total = sum(t.numel() * t.element_size() for t in state.values())
             (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                      indent=2) + "\n")
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
+        install_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def install_dir(tmp: Path, path: Path) -> None:
+    """Move the finished directory `tmp` to `path` (a sibling), replacing what is there: renames
+    only, so `path` never holds a half-written tree."""
+    if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, path)
 
 
 def hf_config(cfg: DSpineConfig, dtype_name: str, extra: dict | None = None) -> dict:

@@ -169,6 +169,13 @@ def _dot(b_a, b_b, b_acc, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @_kernels.jit
+def _anchor_row(table, anchor_ids, i_b, o_r, m_r, R: tl.constexpr):
+    """Block i_b's anchor id and its exact feature U[anchor] ([RP] fp32)."""
+    i_anchor = tl.load(anchor_ids + i_b).to(tl.int64)
+    return i_anchor, tl.load(table + i_anchor * R + o_r, mask=m_r, other=0.0).to(tl.float32)
+
+
+@_kernels.jit
 def _empty_top(BLOCK_M: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
     o_k = tl.arange(0, KP)
     b_top = tl.where(o_k < K, -9223372036854775806 + o_k.to(tl.int64), 9223372036854775807)  # [KP]
@@ -249,8 +256,7 @@ def transfer_merge_fwd_kernel(
     o_k = tl.arange(0, KP)
     m_k = o_k < K
     if i_pos == 0:
-        i_anchor = tl.load(anchor_ids + i_b).to(tl.int64)
-        b_t = tl.load(table + i_anchor * R + o_r, mask=m_r, other=0.0).to(tl.float32)  # [RP]
+        i_anchor, b_t = _anchor_row(table, anchor_ids, i_b, o_r, m_r, R)
         if WRITE_CAND:
             tl.store(cand + i_p * K + o_k, tl.zeros([KP], dtype=tl.int64) + i_anchor, mask=m_k)
     else:
@@ -295,8 +301,7 @@ def candidate_features_fwd_kernel(
     o_k = tl.arange(0, KP)
     m_k = o_k < K
     if i_pos == 0:
-        i_anchor = tl.load(anchor_ids + i_b).to(tl.int64)
-        b_t = tl.load(table + i_anchor * R + o_r, mask=m_r, other=0.0).to(tl.float32)  # [RP]
+        _, b_t = _anchor_row(table, anchor_ids, i_b, o_r, m_r, R)
     else:
         b_q = tl.load(q + (i_b * (B - 2) + i_pos - 1) * R + o_r, mask=m_r, other=0.0).to(tl.float32)  # [RP]
         b_idx = tl.load(cand + i_p * K + o_k, mask=m_k, other=0).to(tl.int64)       # [KP]

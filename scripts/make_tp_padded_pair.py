@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import shutil
 import sys
@@ -393,14 +392,9 @@ def make_pair(target_dir: Path, drafter_dir: Path, out: Path, tp: int = 2, force
     try:
         summaries = {"target": pad_target_dir(target_dir, tmp / "target", tp),
                      "drafter": pad_drafter_dir(drafter_dir, tmp / "drafter", tp)}
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
+        from dspine.checkpoint import install_dir
+
+        install_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
