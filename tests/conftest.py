@@ -1,8 +1,11 @@
-"""Shared fixtures: tiny random transformers targets and drafters built for them."""
+"""Shared fixtures: tiny random transformers targets and drafters built for them; scripts as modules."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 # CPU runs execute Triton kernels in the interpreter. The mode is fixed when a kernel is created, so
 # it must be set before any test module imports dspine or triton; GPU runs set TRITON_INTERPRET=0.
@@ -14,6 +17,18 @@ import torch  # noqa: E402
 from dspine import DSpineConfig, DSpineDraftModel  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module, registered in sys.modules (its dataclasses need that)."""
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_llama(vocab: int = 256, hidden: int = 64, layers: int = 6, seed: int = 0, init: float = 0.2):

@@ -11,26 +11,15 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
+from conftest import load_script
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 EVAL_SETS = ("gsm8k", "math500", "humaneval", "mbpp", "sharegpt-heldout")
 NEAR_TIE_PROMPT, OTHER_PROMPT = "q-gsm8k-0", "q-math500-0"  # planted divergences
 NEAR_TIE_GAP, NORMAL_GAP = 0.05, 2.9
-
-
-def _load(name: str):
-    """A script as a module (registered in sys.modules, which its dataclasses need)."""
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,7 +163,7 @@ def prompts_dir(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 def test_bench_serving_end_to_end(stub_server, prompts_dir, tmp_path):
-    bench = _load("bench_serving")
+    bench = load_script("bench_serving")
     ar, dspine = stub_server("ar"), stub_server("dspine")
     out = tmp_path / "results"
     rc = bench.main(["--url", f"AR={ar}", "--url", f"DSPINE={dspine}", "--url", f"DSPINE-ablation={dspine}",
@@ -218,7 +207,7 @@ def test_bench_serving_end_to_end(stub_server, prompts_dir, tmp_path):
 
 
 def test_spec_flags_go_to_the_speculative_configs_only():
-    bench = _load("bench_serving")
+    bench = load_script("bench_serving")
     replayssm = "--enable-linear-replayssm-spec --linear-replayssm-cache-len 32"
     args = bench.parse_args(["--model-path", "/m", "--draft", "/d", "--ablation-draft", "/a",
                              "--spec-flags", replayssm])
@@ -234,7 +223,7 @@ def test_spec_flags_go_to_the_speculative_configs_only():
 
 
 def test_results_name_writes_beside_the_default_results(stub_server, prompts_dir, tmp_path):
-    bench = _load("bench_serving")
+    bench = load_script("bench_serving")
     out = tmp_path / "results"
     out.mkdir()
     (out / "serving_h200.json").write_text("{}")  # an earlier run's results stay untouched
@@ -256,7 +245,7 @@ def test_results_name_writes_beside_the_default_results(stub_server, prompts_dir
 
 
 def test_ceiling_arithmetic():
-    bench = _load("bench_serving")
+    bench = load_script("bench_serving")
     ar = [bench.Reply(completion_tokens=100, wall_s=1.0), bench.Reply(completion_tokens=100, wall_s=1.0)]
     spec = [bench.Reply(completion_tokens=100, wall_s=0.5, meta_info={"spec_verify_ct": 25}),
             bench.Reply(completion_tokens=100, wall_s=0.5, meta_info={"spec_verify_ct": 25})]
@@ -270,7 +259,7 @@ def test_ceiling_arithmetic():
 
 
 def test_classify_prefix_and_missing_logprobs():
-    bench = _load("bench_serving")
+    bench = load_script("bench_serving")
     ar = bench.Reply(3, 0.1, token_ids=[1, 2, 3], top2=[[-0.1, -0.12]] * 3)
     assert bench.classify(ar, bench.Reply(3, 0.1, token_ids=[1, 2, 3]), 0.1)["kind"] == "identical"
     early_stop = bench.classify(ar, bench.Reply(2, 0.1, token_ids=[1, 2]), 0.1)  # DSPINE ended at position 2
@@ -280,14 +269,14 @@ def test_classify_prefix_and_missing_logprobs():
 
 
 def test_near_tie_threshold_is_inclusive_and_bf16_sized():
-    bench = _load("bench_serving")
+    bench = load_script("bench_serving")
     assert bench.parse_args([]).near_tie_nats == 0.25  # two bf16 steps of a logit in [16, 32)
     assert [bench.verdict(g, 0.25) for g in (0.0, 0.125, 0.25, 0.375, None)] \
         == ["near_tie", "near_tie", "near_tie", "other", "other"]
 
 
 def test_schema_check_rejects_missing_and_mistyped():
-    bench = _load("bench_serving")
+    bench = load_script("bench_serving")
     with pytest.raises(bench.BenchError, match="missing key 'parity'"):
         bench.check_schema({k: "x" for k in ("device", "date", "sglang", "target", "drafter", "command")}
                            | {"runs": [], "ceiling": {"t_step_ms": 1, "t_round_ms": 1, "accept_len": 1,
@@ -302,7 +291,7 @@ def test_schema_check_rejects_missing_and_mistyped():
 
 def test_openai_client_demo(stub_server, capsys):
     pytest.importorskip("openai")
-    demo = _load("openai_client_demo")
+    demo = load_script("openai_client_demo")
     assert demo.main(["--base-url", stub_server("ar") + "/v1", "--max-tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert "identical to the non-streamed answer" in out
@@ -311,13 +300,13 @@ def test_openai_client_demo(stub_server, capsys):
 
 def test_openai_client_demo_reports_stream_mismatch(stub_server, capsys):
     pytest.importorskip("openai")
-    demo = _load("openai_client_demo")
+    demo = load_script("openai_client_demo")
     assert demo.main(["--base-url", stub_server("broken") + "/v1", "--max-tokens", "6"]) == 1
     assert "streamed text differs" in capsys.readouterr().err
 
 
 def test_a_run_without_ar_creates_its_out_dir_and_leaves_ceiling_and_parity_null(stub_server, prompts_dir, tmp_path):
-    bench = _load("bench_serving")
+    bench = load_script("bench_serving")
     out = tmp_path / "not" / "there" / "yet"
     rc = bench.main(["--url", f"DSPINE={stub_server('dspine')}", "--configs", "DSPINE", "--prompts", "3",
                      "--max-tokens", "4", "--concurrency", "1", "--waves", "1", "--results-name", "probe",

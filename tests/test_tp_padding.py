@@ -11,15 +11,13 @@ half-written.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import drafter_for, fixed_prompts
+from conftest import drafter_for, fixed_prompts, load_script
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -27,7 +25,6 @@ from dspine import generate
 from dspine.checkpoint import load_checkpoint, save_checkpoint
 from dspine.proposer import DSpineProposer
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_tp_padded_pair.py"
 HEADS, KV_HEADS, HEAD_DIM = 6, 3, 16
 TP = 2
 HEADS_PAD, KV_PAD = 8, 4  # kv 3 -> 4 (next multiple of 2), q = 4 kv x 2 per group
@@ -35,15 +32,7 @@ VOCAB = 128
 ATOL = 1e-5
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("_script_make_tp_padded_pair", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses need the module registered
-    spec.loader.exec_module(module)
-    return module
-
-
-pad = _load_script()
+pad = load_script("make_tp_padded_pair")
 
 
 # ---------------------------------------------------------------------------------------------

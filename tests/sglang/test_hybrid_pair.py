@@ -26,7 +26,6 @@ import importlib.metadata
 import importlib.util
 import inspect
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -38,15 +37,19 @@ except importlib.metadata.PackageNotFoundError:
                 allow_module_level=True)
 
 import torch  # noqa: E402
+from conftest import load_script  # noqa: E402
 from safetensors import safe_open  # noqa: E402
-
-from dspine import serving_presets  # noqa: E402
-from dspine.checkpoint import IncompatibleTargetError, check_target_compatible, read_config  # noqa: E402
-from dspine.sglang import compat  # noqa: E402
-from dspine.sglang.rules import FlagError  # noqa: E402
 from sglang_cpu import publish_args, single_process_groups  # noqa: E402
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from dspine import serving_presets  # noqa: E402
+from dspine.checkpoint import (  # noqa: E402
+    IncompatibleTargetError,
+    check_target_compatible,
+    read_config,
+)
+from dspine.sglang import compat  # noqa: E402
+from dspine.sglang.rules import FlagError  # noqa: E402
+
 VOCAB = 512
 SMALL = ["--hidden", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "64", "--linear-key-heads", "2",
          "--linear-key-head-dim", "32", "--linear-value-heads", "4", "--linear-value-head-dim", "32",
@@ -57,14 +60,6 @@ CPU = ["--device", "cpu", "--skip-tokenizer-init"]
 HOST_EXTRA = "--cuda-graph-max-bs-decode 16 --mamba-ssm-dtype float32 --disable-radix-cache"
 SERVE_SH_BASE = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.4"]
 REPLAYSSM = "--enable-linear-replayssm-spec --linear-replayssm-cache-len {}"
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def fake_tokenizer_dir(path: Path) -> Path:
