@@ -101,7 +101,8 @@ def select_tokens(logits: Tensor, anchor_ids: Tensor, temperature: Tensor, *, mo
     if mode == "argmax":
         return Selection(tokens=logits.argmax(-1))
     bs, n, _ = logits.shape
-    unary, cand = logits.float().topk(top_k, dim=-1)                           # [bs, N, K]
+    unary, cand = logits.topk(top_k, dim=-1)                                   # [bs, N, K]
+    unary = unary.float()  # after the top-k: no fp32 copy of [bs, N, V] (the cast is exact and monotone)
     prev = torch.cat([anchor_ids[:, None, None].expand(bs, 1, top_k), cand[:, :-1]], dim=1)
     pair_fn = successors.pair if successors is not None else _on_the_fly
     pair = pair_fn(scorer, table, prev, cand)                                   # [bs, N, K, K]
