@@ -12,6 +12,13 @@ With a fixed step count both can train at once, one process each (resumable, `--
 
   python scripts/train_pair.py train-dspine --steps N --data D --work W --out-dir O --time-limit 540 &
   python scripts/train_pair.py train-ablation --steps N --data D --work W --out-dir O --time-limit 540
+
+A DSpine variant against the same ablation (same data, steps, seed; only the named fields differ),
+e.g. lighter layer-wise supervision, writes train_log_dspine-light-layers.json and
+ckpt_dspine-light-layers:
+
+  python scripts/train_pair.py train-dspine --steps N ... --variant light-layers \
+      --drafter-set 'layer_loss_weights=[0.1,0.08,0.06,0.04,0.02]'
 """
 
 from __future__ import annotations
@@ -31,9 +38,32 @@ from dspine.train.trainer import TrainConfig, train
 CONFIGS = {"dspine": "configs/train/smollm2-dspine.yaml", "ablation": "configs/train/smollm2-ablation.yaml"}
 
 
-def _run(name: str, args, steps: int, **overrides) -> Path | None:
-    cfg = TrainConfig.from_yaml(CONFIGS[name], data=args.data, run_dir=str(Path(args.work) / name), steps=steps,
-                                **overrides)
+def drafter_settings(pairs: list[str]) -> dict:
+    """`KEY=JSON` strings -> {KEY: value} for the drafter block, e.g. layer_loss_weights=[0.1,0.08,0.06,0.04,0.02]."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--drafter-set {pair!r}: expected KEY=JSON, e.g. injection_top_k=16")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--drafter-set {pair!r}: the value is not JSON ({e}); quote strings: "
+                             f'selection="argmax"') from None
+    return out
+
+
+def build_config(name: str, args, steps: int) -> tuple[str, TrainConfig]:
+    """(run name, config): the DSpine run takes `--variant`/`--drafter-set` (a variant trains in
+    WORK/dspine-VARIANT and reports as dspine-VARIANT, beside the unchanged pair)."""
+    run = f"{name}-{args.variant}" if args.variant else name
+    cfg = TrainConfig.from_yaml(CONFIGS[name], data=args.data, run_dir=str(Path(args.work) / run), steps=steps)
+    cfg.drafter.update(drafter_settings(args.drafter_set))
+    return run, cfg
+
+
+def _run(name: str, args, steps: int) -> Path | None:
+    name, cfg = build_config(name, args, steps)
     t0 = time.perf_counter()
     export = train(cfg, device="cuda", time_limit_s=args.time_limit, progress=False)
     out = Path(args.out_dir)
@@ -50,7 +80,7 @@ def _run(name: str, args, steps: int, **overrides) -> Path | None:
     return export
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("phase", choices=["probe-and-train-dspine", "train-dspine", "train-ablation"])
     p.add_argument("--data", required=True)
@@ -59,10 +89,19 @@ def main() -> int:
     p.add_argument("--dspine-seconds", type=float, default=300)
     p.add_argument("--max-steps", type=int, default=3000)
     p.add_argument("--time-limit", type=float, default=None, help="hard stop (s); the run resumes when re-run")
+    p.add_argument("--variant", default=None,
+                   help="train-dspine: name of a variant run (e.g. light-layers), kept apart from the pair's")
+    p.add_argument("--drafter-set", action="append", default=[], metavar="KEY=JSON",
+                   help="train-dspine with --variant: override a drafter config field (repeatable), e.g. "
+                        "layer_loss_weights=[0.1,0.08,0.06,0.04,0.02]")
     p.add_argument("--steps", type=int, default=None,
                    help="train-dspine: required; train-ablation: the DSpine run's step count (default: the "
                         "probe's, from --work/steps.json)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if (args.variant or args.drafter_set) and args.phase != "train-dspine":
+        p.error("--variant and --drafter-set belong to train-dspine (the ablation and the probe stay as configured)")
+    if args.drafter_set and not args.variant:
+        p.error("--drafter-set needs --variant NAME, so the changed drafter does not overwrite the pair's")
     steps_file = Path(args.work) / "steps.json"
     if args.phase == "probe-and-train-dspine":
         probe = TrainConfig.from_yaml(CONFIGS["dspine"], data=args.data, run_dir=str(Path(args.work) / "probe"),

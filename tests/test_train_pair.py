@@ -1,0 +1,48 @@
+"""scripts/train_pair.py: a DSpine variant differs from the pair's run only in the fields it sets,
+and keeps its own run directory and name."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from conftest import load_script
+
+pair = load_script("train_pair")
+
+
+def _args(**kw):
+    base = {"data": "d.jsonl", "work": "/w", "variant": None, "drafter_set": []}
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_a_variant_changes_only_what_it_sets():
+    name, plain = pair.build_config("dspine", _args(), 100)
+    vname, variant = pair.build_config("dspine", _args(variant="light", drafter_set=[
+        "layer_loss_weights=[0.1,0.08,0.06,0.04,0.02]", 'selection="argmax"']), 100)
+    assert (name, plain.run_dir) == ("dspine", "/w/dspine")
+    assert (vname, variant.run_dir) == ("dspine-light", "/w/dspine-light")
+    assert variant.drafter["layer_loss_weights"] == [0.1, 0.08, 0.06, 0.04, 0.02]
+    assert variant.drafter["selection"] == "argmax"
+    changed = {k for k in plain.drafter.keys() | variant.drafter.keys()
+               if plain.drafter.get(k) != variant.drafter.get(k)}
+    assert changed == {"layer_loss_weights", "selection"}
+    assert {k: v for k, v in vars(plain).items() if k not in ("run_dir", "drafter")} == \
+        {k: v for k, v in vars(variant).items() if k not in ("run_dir", "drafter")}
+
+
+@pytest.mark.parametrize("bad, message", [("noequals", "KEY=JSON"), ("selection=argmax", "not JSON")])
+def test_malformed_settings_are_named(bad, message):
+    with pytest.raises(SystemExit, match=message):
+        pair.drafter_settings([bad])
+
+
+def test_settings_without_a_variant_or_on_the_ablation_are_refused(capsys):
+    common = ["--data", "d", "--work", "w", "--out-dir", "o", "--steps", "5"]
+    with pytest.raises(SystemExit):
+        pair.main(["train-dspine", *common, "--drafter-set", "injection_top_k=16"])
+    assert "needs --variant" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pair.main(["train-ablation", *common, "--variant", "x"])
+    assert "belong to train-dspine" in capsys.readouterr().err
