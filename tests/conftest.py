@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 # CPU runs execute Triton kernels in the interpreter. The mode is fixed when a kernel is created, so
@@ -29,6 +32,31 @@ def load_script(name: str):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """A quiet stub-server request handler with `send_json`; tests subclass it with do_GET/do_POST."""
+
+    def log_message(self, *args):  # keep pytest output quiet
+        pass
+
+    def send_json(self, payload, code: int = 200) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def start_server(handler_cls) -> ThreadingHTTPServer:
+    """Serve `handler_cls` on a free localhost port from a daemon thread; its base URL is `.url`.
+    The caller shuts it down (`shutdown()`, `server_close()`)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler_cls)
+    server.daemon_threads = True
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
 
 
 def tiny_llama(vocab: int = 256, hidden: int = 64, layers: int = 6, seed: int = 0, init: float = 0.2):

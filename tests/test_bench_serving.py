@@ -11,11 +11,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import load_script
+from conftest import JsonHandler, load_script, start_server
 
 EVAL_SETS = ("gsm8k", "math500", "humaneval", "mbpp", "sharegpt-heldout")
 NEAR_TIE_PROMPT, OTHER_PROMPT = "q-gsm8k-0", "q-math500-0"  # planted divergences
@@ -43,39 +41,28 @@ def _text(ids: list[int]) -> list[str]:
     return [f"t{i} " for i in ids]
 
 
-class StubHandler(BaseHTTPRequestHandler):
+class StubHandler(JsonHandler):
     """One mode per server ("ar" or "dspine"), set on the server object."""
-
-    def log_message(self, *args):  # keep pytest output quiet
-        pass
-
-    def _json(self, payload: dict, code: int = 200) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self):
         if self.path == "/server_info":
-            return self._json({"version": "0.5.17-stub"})
-        self._json({"error": "not found"}, 404)
+            return self.send_json({"version": "0.5.17-stub"})
+        self.send_json({"error": "not found"}, 404)
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path != "/v1/chat/completions":
-            return self._json({"error": "not found"}, 404)
+            return self.send_json({"error": "not found"}, 404)
         mode = self.server.mode
         if mode == "dspine" and body.get("logprobs"):  # the benchmark asks only the AR server for them
-            return self._json({"error": "logprobs not expected on the speculative server"}, 400)
+            return self.send_json({"error": "logprobs not expected on the speculative server"}, 400)
         prompt = body["messages"][-1]["content"]
         ids, top2 = stub_tokens(prompt, body.get("max_tokens") or 16, mode)
         if body.get("tools"):
-            return self._json(self._tool_call())
+            return self.send_json(self._tool_call())
         if body.get("stream"):
             return self._stream(ids, body)
-        self._json(self._complete(ids, top2, body, mode))
+        self.send_json(self._complete(ids, top2, body, mode))
 
     @staticmethod
     def _tool_call() -> dict:
@@ -132,12 +119,10 @@ def stub_server():
     servers = []
 
     def start(mode: str) -> str:
-        server = ThreadingHTTPServer(("127.0.0.1", 0), StubHandler)
-        server.daemon_threads = True
+        server = start_server(StubHandler)
         server.mode = mode
-        threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}"
+        return server.url
 
     yield start
     for server in servers:

@@ -7,10 +7,9 @@ import json
 import random
 import threading
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import load_script
+from conftest import JsonHandler, load_script, start_server
 
 check = load_script("check_served_sampling")
 
@@ -23,10 +22,7 @@ def serve(seed: int, skew_position: int | None = None, verify_rounds_per_token: 
     (0-based) the first two tokens' weights are swapped."""
     rng, lock = random.Random(seed), threading.Lock()
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
+    class Handler(JsonHandler):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             n = body["sampling_params"]["max_new_tokens"]
@@ -39,16 +35,10 @@ def serve(seed: int, skew_position: int | None = None, verify_rounds_per_token: 
                     ids.append(rng.choices(TOKENS, w)[0])
             reply = {"text": "", "output_ids": ids,
                      "meta_info": {"completion_tokens": n, "spec_verify_ct": int(n * verify_rounds_per_token)}}
-            data = json.dumps(reply).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            self.send_json(reply)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
+    server = start_server(Handler)
+    return server, server.url
 
 
 @pytest.fixture

@@ -9,11 +9,10 @@ transformers path's, stop tokens included.
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from conftest import JsonHandler, start_server
 
 from dspine.datasets import Prompt, save_prompts
 from dspine.targets import load_target, stop_token_ids
@@ -28,12 +27,6 @@ PROMPTS = [Prompt("t/0", [{"role": "user", "content": "Say hello."}], "test"),
 MAX_NEW = 12
 
 
-def _serve(handler_cls) -> tuple[ThreadingHTTPServer, str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler_cls)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
-
-
 @pytest.fixture(scope="module")
 def smollm2():
     target, tokenizer = load_target()
@@ -46,10 +39,7 @@ def sglang_stub(smollm2):
     target, _, stops = smollm2
     seen: list[dict] = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
+    class Handler(JsonHandler):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             seen.append(body)
@@ -66,14 +56,10 @@ def sglang_stub(smollm2):
                 else:
                     finish = {"type": "length", "length": len(answer)}
                 replies.append({"text": "", "output_ids": answer, "meta_info": {"finish_reason": finish}})
-            data = json.dumps(replies).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            self.send_json(replies)
 
-    server, url = _serve(Handler)
+    server = start_server(Handler)
+    url = server.url
     yield url, seen
     server.shutdown()
 
@@ -96,19 +82,13 @@ def test_server_answers_cut_and_complete_stop_tokens():
                {"output_ids": [8, 9], "meta_info": {"finish_reason": {"type": "length", "length": 2}}},
                {"output_ids": [8], "meta_info": {"finish_reason": {"type": "stop", "matched": "</s>"}}}]
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
+    class Handler(JsonHandler):
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
-            data = json.dumps(replies).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            self.send_json(replies)
 
-    server, url = _serve(Handler)
+    server = start_server(Handler)
+    url = server.url
     try:
         got = gen_data.server_answers(url, [[1]] * 4, [2], max_new_tokens=4, temperature=0.0, seed=0)
     finally:

@@ -7,13 +7,17 @@ import math
 import random
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from conftest import JsonHandler, start_server
 
 from dspine.cli import main as dspine_main
-from dspine.dynamic_verification import PositionCalibration, SpsCostTable, load_sps_table
+from dspine.dynamic_verification import (
+    PositionCalibration,
+    SpsCostTable,
+    load_sps_table,
+)
 from dspine.sps_tuning import fit_additive, new_step_times
 
 TRACE = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "sharegpt_dev.jsonl"
@@ -37,25 +41,14 @@ class Stub:
         self.chat_calls = self.generate_calls = 0
         stub = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self):
                 if self.path != "/server_info":
                     self.send_error(404)
                     return
                 with stub.lock:
                     state = {"step_time_dict": {k: list(v) for k, v in stub.step_times.items()}} if stub.record else {}
-                self._send({"version": "0.5.22-stub", "model_path": "stub/target", "speculative_algorithm": "DSPINE",
+                self.send_json({"version": "0.5.22-stub", "model_path": "stub/target", "speculative_algorithm": "DSPINE",
                             "speculative_draft_model_path": "stub/drafter", "speculative_num_draft_tokens": VERIFY,
                             "dp_size": 1, "tp_size": 1, "cuda_graph_max_bs": 8, "gpu_name": "Stub GPU",
                             "internal_states": [state]})
@@ -73,7 +66,7 @@ class Stub:
                     time.sleep(tokens * step_seconds(bs))
                     with stub.lock:
                         stub.inflight -= 1
-                    self._send({"choices": [{"message": {"role": "assistant", "content": "x"}}],
+                    self.send_json({"choices": [{"message": {"role": "assistant", "content": "x"}}],
                                 "usage": {"completion_tokens": tokens}})
                 elif self.path == "/generate":
                     with stub.lock:
@@ -86,15 +79,14 @@ class Stub:
                         while n < len(row) and rng.random() < 1 / (1 + math.exp(-row[n] / TRUE_TEMPS[n])):
                             n += 1
                         accept.append(n)
-                    self._send({"text": "x", "meta_info": {"completion_tokens": 20 + sum(accept), "spec_verify_ct": 20,
+                    self.send_json({"text": "x", "meta_info": {"completion_tokens": 20 + sum(accept), "spec_verify_ct": 20,
                                                            "dspine_confidence_logits": logits,
                                                            "dspine_accept_lens": accept}})
                 else:
                     self.send_error(404)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = start_server(Handler)
+        self.url = self.server.url
 
     def close(self):
         self.server.shutdown()
