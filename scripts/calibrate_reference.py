@@ -1,0 +1,112 @@
+"""Calibrate the drafter's confidence head on traces with the reference engine, and check it on held-out traces.
+
+Dynamic verification reads per-position acceptance estimates: p_j = sigmoid(logit_j / T_j) from the
+confidence head, T_j fitted by temperature scaling (`PositionCalibration`, SGLang's STS format).
+This script fits the T_j on the traces' `tune` split and reports, on their `heldout` split, for
+every proposal position j: the predicted probability that a round gets past j (the calibrated
+survival, mean over rounds), the observed rate, their gap in points, and the survival ECE before
+and after calibration. No server: the reference engine (`dspine.engine.generate` with
+`ConfidenceRecorder`, every round verifying the whole block) on CPU or GPU. Prompts are rendered as
+`dspine tune-sps` sends them to `/generate` (`role: content` lines), decoding greedy.
+
+  python scripts/calibrate_reference.py --traces benchmarks/traces/sharegpt_dev.jsonl \\
+      benchmarks/traces/tooltalk_dev.jsonl --max-new-tokens 64 --out calibration.json [--sts-out sts.json]
+
+The served drafter runs in bf16 with SGLang's kernels: for a deployment, calibrate on what the
+server records (`dspine tune-sps`); this is the same fit on the reference path, for development.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from dspine.checkpoint import load_checkpoint
+from dspine.cli import default_drafter
+from dspine.dynamic_verification import ConfidenceRecorder, PositionCalibration
+from dspine.engine import generate
+from dspine.sps_tuning import render_prompt
+from dspine.targets import load_target, stop_token_ids
+from dspine.traces import load_traces
+
+
+def record(target, tokenizer, drafter, requests, *, max_new_tokens: int, batch_size: int) -> ConfidenceRecorder:
+    """Greedy rounds over `requests`, each verifying the whole block, with their confidence logits."""
+    recorder = ConfidenceRecorder(drafter)
+    ids = [tokenizer.encode(render_prompt(r), add_special_tokens=False) for r in requests]
+    generate(target, recorder, ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer, target),
+             batch_size=batch_size)
+    return recorder
+
+
+def position_report(calibration: PositionCalibration, logits: torch.Tensor, accept_len: torch.Tensor) -> list[dict]:
+    """Per position j (1-based): rounds, predicted P(accept_len >= j) (mean calibrated survival),
+    observed rate, gap in points."""
+    survival = calibration.probabilities(logits).cumprod(-1)
+    rows = []
+    for j in range(logits.shape[1]):
+        predicted, observed = float(survival[:, j].mean()), float((accept_len > j).double().mean())
+        rows.append({"position": j + 1, "rounds": int(logits.shape[0]), "predicted": predicted,
+                     "observed": observed, "gap_points": 100 * (predicted - observed)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--traces", nargs="+", required=True, help="trace files (OpenAI-request JSONL or ShareGPT)")
+    p.add_argument("--drafter", default=None, help="DSpine checkpoint (default: the shipped one)")
+    p.add_argument("--target", default=None, help="target (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", type=Path, required=True, help="report JSON")
+    p.add_argument("--sts-out", type=Path, default=None, help="also write the fitted calibration (STS JSON)")
+    args = p.parse_args(argv)
+    tune, heldout = load_traces(args.traces, "tune"), load_traces(args.traces, "heldout")
+    target, tokenizer = load_target(args.target, dtype=torch.float32, device=args.device)
+    drafter = load_checkpoint(args.drafter or default_drafter(), target=target, device=args.device,
+                              dtype=torch.float32)
+    common = {"max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size}
+    print(f"tune: {len(tune)} requests ...", flush=True)
+    fitted = record(target, tokenizer, drafter, tune, **common).fit(dataset=",".join(map(str, args.traces)))
+    print(f"heldout: {len(heldout)} requests ...", flush=True)
+    held = record(target, tokenizer, drafter, heldout, **common)
+    identity = PositionCalibration.identity(len(fitted.temperatures))
+    before, before_all = identity.calibration_error(held.logits, held.accept_len)
+    after, after_all = fitted.calibration_error(held.logits, held.accept_len)
+    rows = position_report(fitted, held.logits, held.accept_len)
+    for row, b, a in zip(rows, before, after):
+        row.update(ece_before=b, ece_after=a)
+    print(f"{'pos':>4} {'predicted':>10} {'observed':>9} {'gap pts':>8} {'ECE before':>11} {'ECE after':>10}")
+    for r in rows:
+        print(f"{r['position']:>4} {r['predicted']:>10.3f} {r['observed']:>9.3f} {r['gap_points']:>8.2f} "
+              f"{r['ece_before']:>11.4f} {r['ece_after']:>10.4f}")
+    worst = max(abs(r["gap_points"]) for r in rows)
+    print(f"held-out rounds {held.logits.shape[0]}: largest gap {worst:.2f} points; "
+          f"survival ECE {before_all:.4f} -> {after_all:.4f}")
+    result = {"command": shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else
+              f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)",
+              "torch": torch.__version__, "target": args.target or "smollm2-135m-instruct",
+              "drafter": str(args.drafter or default_drafter()), "traces": [str(t) for t in args.traces],
+              "max_new_tokens": args.max_new_tokens, "tune_requests": len(tune), "heldout_requests": len(heldout),
+              "tune_rounds": fitted.num_samples, "heldout_rounds": int(held.logits.shape[0]),
+              "temperatures": list(fitted.temperatures), "ece_before": before_all, "ece_after": after_all,
+              "largest_gap_points": worst, "positions": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.sts_out:
+        args.sts_out.write_text(fitted.to_json() + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
