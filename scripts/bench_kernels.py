@@ -164,7 +164,8 @@ RESULTS: dict = {
     "command": " ".join(["python"] + sys.argv),
     "copy_bandwidth_gbs": None, "cases": [], "round": [], "verify": [], "targets": {},
 }
-DETAILS: dict = {"budget_s": BUDGET_S, "reps": REPS, "sweep": [], "best_blocks": {}, "correctness": [], "argmax_ms": {},
+DETAILS: dict = {**{k: RESULTS[k] for k in ("command", "device", "date", "torch", "triton")},  # provenance, as RESULTS
+                 "budget_s": BUDGET_S, "reps": REPS, "sweep": [], "best_blocks": {}, "correctness": [], "argmax_ms": {},
                  "compile_s": {}, "round_torch_kernels": [], "errors": [], "notes": [], "floors_ms": {}}
 
 
