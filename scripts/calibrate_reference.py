@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import shlex
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ from dspine.engine import generate
 from dspine.sps_tuning import render_prompt
 from dspine.targets import load_target, stop_token_ids
 from dspine.traces import load_traces
+from dspine.train.bench_accept import device_name
 
 
 def record(target, tokenizer, drafter, requests, *, max_new_tokens: int, batch_size: int) -> ConfidenceRecorder:
@@ -93,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
           f"survival ECE {before_all:.4f} -> {after_all:.4f}")
     result = {"command": shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else
-              f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)",
+              "device": device_name(args.device),
               "torch": torch.__version__, "target": args.target or "smollm2-135m-instruct",
               "drafter": str(args.drafter or default_drafter()), "traces": [str(t) for t in args.traces],
               "max_new_tokens": args.max_new_tokens, "tune_requests": len(tune), "heldout_requests": len(heldout),

@@ -16,7 +16,7 @@ the drafts were verified at all — at an accept length of 1.0 the test cannot t
   python scripts/check_served_sampling.py --url-a http://127.0.0.1:30000 --url-b http://127.0.0.1:30001 \\
       --samples 4000 --max-new-tokens 4 --out check_sampling.json
 
-Needs scipy (chi2_contingency) and the standard library.
+Needs scipy (chi2_contingency) and dspine (its stdlib HTTP client).
 """
 
 from __future__ import annotations
@@ -26,20 +26,18 @@ import datetime
 import json
 import shlex
 import sys
-import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from dspine.sps_tuning import Client
 
 PROMPT = "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:"
 
 
 def sample_once(url: str, prompt: str, params: dict, timeout: float) -> tuple[list[int], int, int]:
     """One /generate request: (output ids, completion tokens, verify rounds or 0 without speculation)."""
-    body = json.dumps({"text": prompt, "sampling_params": params}).encode()
-    req = urllib.request.Request(f"{url.rstrip('/')}/generate", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        reply = json.load(resp)
+    reply = Client(url, timeout).post("/generate", {"text": prompt, "sampling_params": params})
     meta = reply["meta_info"]
     return list(reply["output_ids"]), int(meta["completion_tokens"]), int(meta.get("spec_verify_ct") or 0)
 
