@@ -300,3 +300,17 @@ def test_a_run_without_ar_creates_its_out_dir_and_leaves_ceiling_and_parity_null
     results = json.loads((out / "probe.json").read_text())
     assert results["ceiling"] is None and results["parity"] is None
     assert [r["algorithm"] for r in results["runs"]] == ["DSPINE"]
+
+
+def test_managed_servers_log_into_an_out_dir_that_did_not_exist(prompts_dir, tmp_path):
+    """serve.sh writes the server log into --out-dir at start, before any result: the folder must
+    exist by then (a stand-in serve script logs, then fails to start)."""
+    bench = load_script("bench_serving")
+    serve = tmp_path / "serve.sh"
+    serve.write_text('[ "$1" = start ] || exit 0\necho "starting with $*" > "$SGL_LOG" || exit 3\nexit 1\n')
+    out = tmp_path / "new" / "results"
+    rc = bench.main(["--serve-script", str(serve), "--configs", "DSPINE", "--prompts", "2", "--max-tokens", "4",
+                     "--concurrency", "1", "--waves", "1", "--out-dir", str(out), "--results-name", "probe"])
+    assert rc == 1
+    assert "starting with start" in (out / "sglang-DSPINE.log").read_text()
+    assert "exit 1" in json.loads((out / "probe.json").read_text())["errors"][0]
