@@ -62,6 +62,22 @@ def test_replay_kernel_matches_reference(N, T, HV, K, V, dtype):
     assert torch.equal(inplace, out)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs a CUDA GPU with compiled Triton (TRITON_INTERPRET=0)")
+@pytest.mark.parametrize("N", [1, 8, 32])
+def test_replay_and_verify_kernels_gpu_27b_like(N):
+    """Full 27B-like head shapes (HV 16, K = V = 128, T 16) on the GPU, bf16 records, fp32 state."""
+    state, q, k, v, g, beta = (t.cuda() for t in _inputs(N, 16, 16, 128, 128, torch.bfloat16, seed=N))
+    a = _accept_lens(N, 16, seed=N).cuda()
+    out = torch.full_like(state, float("nan"))
+    gated_delta_replay(state, k, v, g, beta, a, out=out)
+    assert (out - gated_delta_replay_reference(state, k, v, g, beta, a)).abs().max() <= 1e-5
+    o = torch.full((N, 16, 16, 128), float("nan"), device="cuda")
+    gated_delta_verify_outputs(state, q.float(), k.float(), v.float(), g, beta, out=o)
+    assert (o - gated_delta_verify_outputs_reference(state, q.float(), k.float(), v.float(), g, beta)).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("N,T,HV,K,V", SHAPES)
 def test_verify_kernel_matches_reference(N, T, HV, K, V):
     state, q, k, v, g, beta = _inputs(N, T, HV, K, V)
