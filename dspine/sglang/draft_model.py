@@ -163,6 +163,28 @@ def check_weight_coverage(parameter_names: Iterable[str], loaded: Iterable[tuple
             f"dspine_config (or is truncated): fix the config or re-save the checkpoint")
 
 
+def full_tensor_fits(tensor_shape, param_shape, tp_size: int) -> bool:
+    """Whether a checkpoint tensor (always the full, unsharded weight) fits a parameter: same shape,
+    or, under TP, the parameter holds 1/tp_size of it along exactly one dimension (a row- or
+    column-parallel layer, whose own `weight_loader` then narrows to its rank's slice)."""
+    tensor_shape, param_shape = tuple(tensor_shape), tuple(param_shape)
+    if tensor_shape == param_shape:
+        return True
+    if tp_size <= 1 or len(tensor_shape) != len(param_shape):
+        return False
+    differing = [(t, p) for t, p in zip(tensor_shape, param_shape) if t != p]
+    return len(differing) == 1 and differing[0][0] == differing[0][1] * tp_size
+
+
+def _loading_tp_size() -> int:
+    """The TP degree the draft model's parallel layers were built for; 1 where no TP group exists
+    (a model built outside an SGLang worker, e.g. in the CPU tests)."""
+    try:
+        return int(compat.tp_group().world_size)
+    except (ImportError, AttributeError, AssertionError, ValueError):
+        return 1
+
+
 # ------------------------------------------------------------------------------ pure helpers
 def block_inputs(input_embeds: Tensor, mask_embedding: Tensor, block_size: int) -> Tensor:
     """[n*N, H] worker embeddings -> [n*N, H]: slot 0 (anchor) kept, slots 1..N-1 = the learned
@@ -511,6 +533,7 @@ class DSpineDraftModel(_DFlashDraftModel):
         loaded: set[tuple[str, object]] = set()
         unexpected: list[str] = []
         where = str(getattr(self.config, "_name_or_path", "") or "")
+        tp_size = _loading_tp_size()
         for name, tensor in weights:
             param_name, shard = map_weight_name(name)
             param = params.get(param_name)
@@ -519,9 +542,10 @@ class DSpineDraftModel(_DFlashDraftModel):
                 continue
             if (param_name, shard) in loaded:
                 raise UnexpectedTensorsError(f"{where}: tensor {name} appears twice in the DSpine draft checkpoint")
-            if shard is None and tuple(tensor.shape) != tuple(param.shape):
+            if shard is None and not full_tensor_fits(tensor.shape, param.shape, tp_size):
                 raise TensorMismatchError(f"{where}: tensor {name} has shape {tuple(tensor.shape)}, the model expects "
-                                          f"{tuple(param.shape)} (dspine_config does not match the weights)")
+                                          f"{tuple(param.shape)}{f' per TP rank of {tp_size}' if tp_size > 1 else ''} "
+                                          f"(dspine_config does not match the weights)")
             loader = getattr(param, "weight_loader", default_weight_loader)
             try:
                 loader(param, tensor) if shard is None else loader(param, tensor, shard)

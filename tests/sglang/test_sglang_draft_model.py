@@ -264,6 +264,42 @@ def test_a_wrong_shape_is_named(sglang_env, ckpt):
         build_model(ckpt).load_weights(tensors.items())
 
 
+def test_full_tensor_fits_a_row_or_column_shard_only_at_the_tp_degree(sglang_env):
+    from dspine.sglang.draft_model import full_tensor_fits
+    assert full_tensor_fits((8, 6), (8, 6), 1) and full_tensor_fits((8, 6), (8, 6), 2)
+    assert full_tensor_fits((8, 6), (8, 3), 2) and full_tensor_fits((8, 6), (4, 6), 2)
+    assert not full_tensor_fits((8, 6), (8, 3), 1)       # no TP: shapes must match
+    assert not full_tensor_fits((8, 12), (8, 3), 2)      # a quarter is not a TP-2 shard
+    assert not full_tensor_fits((8, 6), (4, 3), 2)       # sharded along two dims
+    assert not full_tensor_fits((8, 6, 1), (8, 3), 2)
+
+
+def test_under_tp_a_sharded_parameter_takes_its_slice_of_the_full_tensor(sglang_env, ckpt, monkeypatch):
+    """A row-parallel `down_proj` built for TP 2 holds half the input dim: the full checkpoint tensor
+    reaches the parameter's own loader (which narrows to its rank); a tensor of any other width is
+    refused by name before any loader runs."""
+    import dspine.sglang.draft_model as draft_module
+    monkeypatch.setattr(draft_module, "_loading_tp_size", lambda: 2)
+    tensors = read_tensors(ckpt)
+    name = "layers.4.mlp.down_proj.weight"
+    full = tensors[name]
+
+    def shard_model():
+        model = build_model(ckpt)
+        mlp = model.layers[4].mlp
+        half = torch.nn.Parameter(torch.empty(full.shape[0], full.shape[1] // 2), requires_grad=False)
+        half.weight_loader = lambda param, w: param.data.copy_(w.narrow(1, full.shape[1] // 2, full.shape[1] // 2))
+        mlp.down_proj.weight = half  # rank 1 of 2
+        return model
+
+    model = shard_model()
+    model.load_weights(tensors.items())
+    torch.testing.assert_close(model.layers[4].mlp.down_proj.weight, full[:, full.shape[1] // 2:], rtol=0, atol=0)
+    tensors[name] = torch.zeros(full.shape[0], full.shape[1] * 3 // 2)
+    with pytest.raises(TensorMismatchError, match=r"down_proj\.weight.*per TP rank of 2"):
+        shard_model().load_weights(tensors.items())
+
+
 def test_later_weight_updates_may_be_partial(sglang_env, ckpt):
     model = loaded_model(ckpt)
     model.load_weights([("norm.weight", torch.full((H,), 2.0))])
