@@ -84,6 +84,27 @@ def compare(ids_a: list[list[int]], ids_b: list[list[int]], positions: int, min_
     return rows
 
 
+def local_device() -> str:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return "unknown (pass --device)"
+
+
+def server_summary(url: str, timeout: float) -> dict:
+    """What the result must say about a server: SGLang version, algorithm, model and drafter paths."""
+    try:
+        info = Client(url, timeout).get("/server_info")
+    except OSError as err:
+        return {"error": f"/server_info: {err}"}
+    keys = ("version", "speculative_algorithm", "model_path", "speculative_draft_model_path",
+            "speculative_num_draft_tokens")
+    return {k: info.get(k) for k in keys}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url-a", required=True, help="the plain (reference) server, e.g. AR")
@@ -99,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alpha", type=float, default=0.01, help="family-wise significance level")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--out", type=Path, default=None, help="write the result JSON here")
+    p.add_argument("--device", default=None, help="the servers' GPU, for the result JSON (default: this "
+                                                    "machine's first CUDA device)")
     args = p.parse_args(argv)
     if args.temperature <= 0:
         p.error("--temperature must be > 0: greedy outputs are compared by scripts/bench_serving.py")
@@ -122,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         result = {"command": shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "device": args.device or local_device(), "servers": {n: server_summary(u, args.timeout) for n, u in
+                                                                      (("a", args.url_a), ("b", args.url_b))},
                   "url_a": args.url_a, "url_b": args.url_b, "prompt": args.prompt, "sampling": params,
                   "samples": args.samples, "accept_len": accept, "alpha": args.alpha, "positions": rows,
                   "verdict": verdict}

@@ -17,12 +17,17 @@ TOKENS = [11, 12, 13, 14, 15, 16]
 WEIGHTS = [0.35, 0.25, 0.15, 0.1, 0.1, 0.05]
 
 
-def serve(seed: int, skew_position: int | None = None, verify_rounds_per_token: float = 0.5):
+def serve(seed: int, skew_position: int | None = None, verify_rounds_per_token: float = 0.5, algorithm=None):
     """A /generate stub drawing each output position i.i.d. from WEIGHTS; at `skew_position`
     (0-based) the first two tokens' weights are swapped."""
     rng, lock = random.Random(seed), threading.Lock()
 
     class Handler(JsonHandler):
+        def do_GET(self):
+            if self.path != "/server_info":
+                return self.send_json({}, code=404)
+            self.send_json({"version": "0.0.stub", "speculative_algorithm": algorithm, "model_path": "/m"})
+
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             n = body["sampling_params"]["max_new_tokens"]
@@ -57,10 +62,14 @@ def servers():
 
 def test_the_same_sampler_is_indistinguishable(servers, tmp_path):
     out = tmp_path / "check.json"
-    rc = check.main(["--url-a", servers(1), "--url-b", servers(2), "--samples", "1500", "--max-new-tokens", "4",
-                     "--concurrency", "8", "--out", str(out)])
+    rc = check.main(["--url-a", servers(1), "--url-b", servers(2, algorithm="DSPINE"), "--samples", "1500",
+                     "--max-new-tokens", "4", "--concurrency", "8", "--out", str(out), "--device", "stub GPU"])
     result = json.loads(out.read_text())
     assert rc == 0 and result["verdict"] == "indistinguishable"
+    assert result["device"] == "stub GPU"
+    assert result["servers"]["a"]["speculative_algorithm"] is None
+    assert result["servers"]["b"] == {"version": "0.0.stub", "speculative_algorithm": "DSPINE", "model_path": "/m",
+                                      "speculative_draft_model_path": None, "speculative_num_draft_tokens": None}
     assert [r["position"] for r in result["positions"]] == [1, 2, 3, 4]
     assert result["accept_len"]["b"] == 2.0  # 4 tokens in 2 verify rounds
 
