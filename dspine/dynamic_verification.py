@@ -1,6 +1,7 @@
 """Dynamic verification: per round, verify only the prefix of each row's proposals that pays for itself.
 
-From the drafter's per-position confidence (calibrated per position by temperature scaling), each
+From the drafter's per-position confidence (calibrated per position: temperature scaling, or
+temperature plus bias), each
 row's survival S[b, j] = P(proposals 0..j all accepted) is a cumprod. Verifying B extra tokens in
 the whole batch is expected to emit tau*(B) = n_req + (sum of the B largest S) tokens, and a step
 of n_req + B tokens costs what the deployment's steps-per-second (SPS) table says. The planner
@@ -8,7 +9,8 @@ takes the B with the most expected tokens per second and hands the top-B surviva
 per-row prefixes. Verify lengths only cap acceptance, so any plan is lossless.
 
 The calibration JSON and both SPS table JSONs are SGLang's DSpark formats (`dspark_sts.py`,
-`dspark_sps.py`), read and written here without importing SGLang.
+`dspark_sps.py`), read and written here without importing SGLang. An affine calibration adds one
+field, `biases`, that SGLang's STS reader ignores: give SGLang's planner temperature-only files.
 """
 
 from __future__ import annotations
@@ -103,11 +105,15 @@ def _check_outcomes(logits: Tensor, accept_len: Tensor) -> None:
 
 @dataclass(frozen=True)
 class PositionCalibration:
-    """Per-position temperature scaling of the confidence logits: p_j = sigmoid(logit_j / T_j).
+    """Per-position scaling of the confidence logits: p_j = sigmoid(logit_j / T_j + b_j).
+
+    Temperature scaling (`biases` empty, every b_j = 0) keeps a head's base rate: where the head
+    ranks rounds well but is biased, only the affine form (`fit(affine=True)`) moves the mean.
 
     JSON: SGLang's `DSparkStsCalibration` (`--speculative-dspark-confidence-sts-path`) with the same
     meaning of every field: `temperatures` [N] (> 0), `dataset`, `num_samples`, and `ece_before` /
-    `ece_after` [N], the survival ECE per position (`calibration_error`) before / after fitting.
+    `ece_after` [N], the survival ECE per position (`calibration_error`) before / after fitting;
+    plus `biases` [N], written only when fitted (SGLang would ignore it).
     """
 
     temperatures: tuple[float, ...]
@@ -115,16 +121,18 @@ class PositionCalibration:
     num_samples: int = 0
     ece_before: tuple[float, ...] = ()
     ece_after: tuple[float, ...] = ()
+    biases: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         what = "STS calibration"
         _need(len(self.temperatures) > 0, what, "temperatures", self.temperatures, "needs one temperature per position")
         _need(all(0 < t < math.inf for t in self.temperatures), what, "temperatures", self.temperatures,
               "must all be finite and > 0 (1.0 leaves a position unchanged)")
-        for name in ("ece_before", "ece_after"):
+        for name in ("ece_before", "ece_after", "biases"):
             value = getattr(self, name)
             _need(len(value) in (0, len(self.temperatures)), what, name, value,
                   f"must be empty or hold one value per temperature ({len(self.temperatures)})")
+        _need(all(math.isfinite(b) for b in self.biases), what, "biases", self.biases, "must all be finite")
 
     @classmethod
     def identity(cls, num_positions: int) -> "PositionCalibration":
@@ -136,7 +144,8 @@ class PositionCalibration:
             raise ValueError(f"calibration has {len(self.temperatures)} temperatures but the drafter proposes "
                              f"N={logits.shape[-1]} tokens: fit it for this drafter's block_size - 1")
         temps = torch.tensor(self.temperatures, dtype=torch.float64, device=logits.device)
-        return torch.sigmoid(logits.double() / temps)
+        biases = torch.tensor(self.biases or (0.0,) * len(self.temperatures), dtype=torch.float64, device=logits.device)
+        return torch.sigmoid(logits.double() / temps + biases)
 
     def calibration_error(self, logits: Tensor, accept_len: Tensor, num_bins: int = 10) -> tuple[list[float], float]:
         """Survival ECE: per position j, cumprod_{i<=j} p_i against 1[accept_len > j] over all n rows;
@@ -151,15 +160,16 @@ class PositionCalibration:
 
     @classmethod
     def fit(cls, logits: Tensor, accept_len: Tensor, *, bounds: tuple[float, float] = (0.05, 20.0),
-            num_bins: int = 10, dataset: str = "") -> "PositionCalibration":
-        """Fit T_j per position from verify-all rounds.
+            num_bins: int = 10, dataset: str = "", affine: bool = False) -> "PositionCalibration":
+        """Fit T_j (and, with `affine`, b_j) per position from verify-all rounds.
 
         logits [n, N]: raw confidence logits; accept_len [n] in 0..N: proposals accepted in that
         round. Position j's samples are the rows that reached it (accept_len >= j), labelled
         accepted iff accept_len > j: the head predicts acceptance given the prefix was accepted.
         T_j minimises their binary NLL within `bounds`. The NLL is convex in s = 1/T, so a
         bisection on its derivative (vectorised over positions, in log s) finds the minimum.
-        A position no row reached keeps T = 1.
+        A position no row reached keeps T = 1. `affine`: (1/T_j, b_j) minimise the same NLL, a
+        two-parameter logistic regression solved by Newton's method (`_fit_affine`).
         """
         _check_outcomes(logits, accept_len)
         if not 0 < bounds[0] < bounds[1] < math.inf:
@@ -179,18 +189,23 @@ class PositionCalibration:
             lo, hi = torch.where(grad < 0, mid, lo), torch.where(grad < 0, hi, mid)
         temps = torch.where(mask.sum(0) > 0, (-(lo + hi) / 2).exp(), torch.ones(num_pos, dtype=torch.float64))
         fitted = cls(temperatures=tuple(temps.tolist()))
-        return cls(temperatures=fitted.temperatures, dataset=dataset, num_samples=n,
+        if affine:
+            fitted = _fit_affine(z, mask, label, 1 / temps, bounds)
+        return cls(temperatures=fitted.temperatures, biases=fitted.biases, dataset=dataset, num_samples=n,
                    ece_before=tuple(cls.identity(num_pos).calibration_error(z, acc[:, 0], num_bins)[0]),
                    ece_after=tuple(fitted.calibration_error(z, acc[:, 0], num_bins)[0]))
 
     def to_json(self) -> str:
-        return json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()})
+        fields = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        if not self.biases:
+            del fields["biases"]  # a temperature-only file is exactly SGLang's
+        return json.dumps(fields)
 
     @classmethod
     def from_json(cls, text: str) -> "PositionCalibration":
         spec = {"temperatures": (float, True, True), "dataset": (str, False, False),
                 "num_samples": (int, False, False), "ece_before": (float, True, False),
-                "ece_after": (float, True, False)}
+                "ece_after": (float, True, False), "biases": (float, True, False)}
         return cls(**_read_fields(json.loads(text), spec, "STS calibration"))
 
     def save(self, path: str | Path) -> None:
@@ -199,6 +214,38 @@ class PositionCalibration:
     @classmethod
     def load(cls, path: str | Path) -> "PositionCalibration":
         return _in_file(path, cls.from_json)
+
+
+def _fit_affine(z: Tensor, mask: Tensor, label: Tensor, scale0: Tensor, bounds: tuple[float, float],
+                iterations: int = 50) -> PositionCalibration:
+    """Per position j, (s_j, b_j) minimising the masked binary NLL of sigmoid(s_j·z + b_j) against
+    `label`, by Newton's method from (scale0_j, 0), vectorised over positions; s_j is then clamped
+    to 1/bounds and b_j refitted alone at the clamped s_j. z, mask, label: [n, N] fp64; scale0 [N].
+    A position no row reached keeps (1, 0)."""
+    s, b = scale0.clone(), torch.zeros_like(scale0)
+    count = mask.sum(0)
+    ridge = 1e-9 * count.clamp(min=1)                                  # keeps separable data finite
+
+    def moments(s: Tensor, b: Tensor) -> tuple[Tensor, ...]:
+        p = torch.sigmoid(z * s + b)
+        r, w = mask * (p - label), mask * p * (1 - p)
+        return (r * z).sum(0), r.sum(0), (w * z * z).sum(0) + ridge, (w * z).sum(0), w.sum(0) + ridge
+
+    for _ in range(iterations):
+        g_s, g_b, h_ss, h_sb, h_bb = moments(s, b)
+        det = h_ss * h_bb - h_sb * h_sb
+        joint = det > 1e-12 * h_ss * h_bb                               # else z is (nearly) constant: b alone
+        s = s - torch.where(joint, (h_bb * g_s - h_sb * g_b) / det, torch.zeros_like(s))
+        b = b - torch.where(joint, (h_ss * g_b - h_sb * g_s) / det, g_b / h_bb)
+    s = torch.where(s.isfinite(), s, scale0).clamp(1 / bounds[1], 1 / bounds[0])
+    b = torch.where(b.isfinite(), b, torch.zeros_like(b))
+    for _ in range(iterations):
+        _, g_b, _, _, h_bb = moments(s, b)
+        b = b - g_b / h_bb
+    reached = count > 0
+    s = torch.where(reached, s, torch.ones_like(s))
+    b = torch.where(reached & b.isfinite(), b, torch.zeros_like(b))
+    return PositionCalibration(temperatures=tuple((1 / s).tolist()), biases=tuple(b.tolist()))
 
 
 # ------------------------------------------------------------------------------------ cost tables

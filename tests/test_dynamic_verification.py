@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -129,6 +130,43 @@ def test_calibration_recovers_temperatures_and_lowers_ece():
         assert after[0][j] < before[0][j]
 
 
+def test_affine_calibration_recovers_scale_and_bias_where_temperature_cannot():
+    """Acceptance w.p. sigmoid(s_j·z + b_j) with b_j != 0 (a biased head): temperature scaling alone
+    leaves the mean acceptance off by points; the affine fit recovers (s_j, b_j) and the mean."""
+    g = torch.Generator().manual_seed(11)
+    n, scale, bias = 40000, torch.tensor([0.4, 1.0, 2.0]), torch.tensor([-1.0, 0.5, -2.0])
+    z = 1.5 + 2.5 * torch.randn(n, 3, generator=g, dtype=torch.float64)
+    accepted = torch.rand(n, 3, generator=g, dtype=torch.float64) < torch.sigmoid(z * scale + bias)
+    accept_len = accepted.long().cumprod(-1).sum(-1)
+    temp_only = PositionCalibration.fit(z, accept_len)
+    affine = PositionCalibration.fit(z, accept_len, affine=True, dataset="synthetic")
+    assert temp_only.biases == ()
+    assert [1 / t for t in affine.temperatures] == pytest.approx(scale.tolist(), rel=0.08)
+    assert list(affine.biases) == pytest.approx(bias.tolist(), abs=0.12)
+
+    def worst_gap(cal):
+        survival = cal.probabilities(z).cumprod(-1).mean(0)
+        observed = (accept_len[:, None] > torch.arange(3)).double().mean(0)
+        return float((survival - observed).abs().max())
+
+    assert worst_gap(affine) < 0.01 < 0.03 < worst_gap(temp_only)
+    assert affine.calibration_error(z, accept_len)[1] < temp_only.calibration_error(z, accept_len)[1]
+    assert PositionCalibration.from_json(affine.to_json()) == affine
+    assert "biases" in json.loads(affine.to_json())
+
+
+def test_affine_fit_stays_finite_on_degenerate_positions():
+    """Constant logits, a position every row fails, a position no row reaches."""
+    z = torch.cat([torch.zeros(50, 1), torch.randn(50, 1, dtype=torch.float64), torch.randn(50, 1, dtype=torch.float64)],
+                  -1).double()
+    accept_len = torch.tensor([1] * 30 + [0] * 20)                      # position 2 never accepts, 3 never reached
+    cal = PositionCalibration.fit(z, accept_len, affine=True)
+    assert all(math.isfinite(t) and t > 0 for t in cal.temperatures) and all(math.isfinite(b) for b in cal.biases)
+    assert cal.temperatures[2] == 1.0 and cal.biases[2] == 0.0
+    assert float(cal.probabilities(z)[:, 0].mean()) == pytest.approx(0.6, abs=1e-3)
+    assert float(cal.probabilities(z)[:, 1].max()) < 0.05
+
+
 def test_ece_equal_width_bins_by_hand():
     probs, labels = torch.tensor([0.05, 0.15, 0.95]), torch.tensor([0, 1, 1])
     assert expected_calibration_error(probs, labels) == pytest.approx((0.05 + 0.85 + 0.05) / 3)
@@ -147,6 +185,7 @@ def test_calibration_json_round_trip_and_errors(tmp_path):
     for text, field in [('{"temperatures": []}', "temperatures"), ('{"temperatures": [1.0, 0.0]}', "temperatures"),
                         ('{"dataset": "x"}', "temperatures"), ('{"temperatures": "1.0"}', "temperatures"),
                         ('{"temperatures": [1.0], "ece_after": [0.1, 0.2]}', "ece_after"),
+                        ('{"temperatures": [1.0], "biases": [0.1, 0.2]}', "biases"),
                         ('{"temperatures": [1.0], "gamma": 1}', "gamma")]:
         with pytest.raises(ValueError, match=field):
             PositionCalibration.from_json(text)
