@@ -20,7 +20,8 @@ unless `--restart`):
   steps_per_sec, frac, concurrency, source}`; batch_tokens = bs x verify tokens (verify-all, frac 1).
 * `sps_table.json`: the diagonal table (median steps/s per batch_tokens); `sps_table_additive.json`
   too when rounds hold off-diagonal cells (frac < 1, e.g. merged from SGLang's profiler).
-* `acceptance.jsonl` + `sts.json`: per-position calibration, fitted when `/generate` responses
+* `acceptance.jsonl` + `sts.json` (temperatures: SGLang's STS) + `sts_affine.json` (temperatures
+  and biases: DSpine's planner, see docs/dynamic_verification.md): per-position calibration, fitted when `/generate` responses
   carry per-step `meta_info.dspine_confidence_logits [steps][N]` and `dspine_accept_lens [steps]`
   (a DSPINE server started with `DSPINE_RECORD_CONFIDENCE=1`, as `--preset` does; the worker adds
   no host sync for it); otherwise skipped with a note in the manifest.
@@ -53,8 +54,9 @@ from dspine.traces import TraceError, TraceRequest, file_sha256, load_traces, wr
 
 DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
 DEFAULT_VERIFY_TOKENS = 16
-ROUNDS, TABLE, ADDITIVE, ACCEPTANCE, STS, MANIFEST = (
-    "rounds.jsonl", "sps_table.json", "sps_table_additive.json", "acceptance.jsonl", "sts.json", "manifest.json")
+ROUNDS, TABLE, ADDITIVE, ACCEPTANCE, STS, STS_AFFINE, MANIFEST = (
+    "rounds.jsonl", "sps_table.json", "sps_table_additive.json", "acceptance.jsonl", "sts.json", "sts_affine.json",
+    "manifest.json")
 M_BIN = 64          # additive fit: verify-token cells binned by 64, as SGLang's profiler
 _FLAG_KEYS = ("tp_size", "dp_size", "pp_size", "attention_backend", "cuda_graph_max_bs", "cuda_graph_bs",
               "disable_cuda_graph", "max_running_requests", "mem_fraction_static", "enable_dp_attention",
@@ -236,8 +238,9 @@ def collect_acceptance(client: Client, requests: list[TraceRequest], count: int,
     return records
 
 
-def fit_calibration(records: list[dict], dataset: str):
-    """PositionCalibration from the records' per-step logits and accept lengths, or None without them."""
+def fit_calibration(records: list[dict], dataset: str, affine: bool = False):
+    """PositionCalibration (temperature-only, or `affine`) from the records' per-step logits and
+    accept lengths, or None without them."""
     import torch
 
     from dspine.dynamic_verification import PositionCalibration
@@ -249,7 +252,8 @@ def fit_calibration(records: list[dict], dataset: str):
             accept.extend(rec["dspine_accept_lens"])
     if not logits:
         return None
-    return PositionCalibration.fit(torch.tensor(logits, dtype=torch.float64), torch.tensor(accept), dataset=dataset)
+    return PositionCalibration.fit(torch.tensor(logits, dtype=torch.float64), torch.tensor(accept), dataset=dataset,
+                                   affine=affine)
 
 
 # ------------------------------------------------------------------------------------ outputs
@@ -470,7 +474,8 @@ def tune(args, url: str, requests: list[TraceRequest]) -> int:
         calibration = fit_calibration(records, dataset=",".join(p.name for p in traces))
     if calibration is not None:
         calibration.save(out / STS)
-        files["sts"] = STS
+        fit_calibration(records, dataset=calibration.dataset, affine=True).save(out / STS_AFFINE)
+        files["sts"], files["sts_affine"] = STS, STS_AFFINE
     else:
         notes.append("STS calibration skipped: /generate meta_info has no per-step dspine_confidence_logits / "
                      "dspine_accept_lens (start the DSPINE server with DSPINE_RECORD_CONFIDENCE=1)"

@@ -123,6 +123,9 @@ def test_server_step_times_resume_manifest_and_command(stub, tmp_path, capsys):
 
     cal = PositionCalibration.load(out / "sts.json")
     assert len(cal.temperatures) == len(TRUE_TEMPS) and cal.temperatures[0] < cal.temperatures[-1]
+    assert "biases" not in json.loads((out / "sts.json").read_text())           # SGLang's file
+    affine = PositionCalibration.load(out / "sts_affine.json")
+    assert len(affine.biases) == len(TRUE_TEMPS) and affine.dataset == cal.dataset
     manifest = json.loads((out / "manifest.json").read_text())
     for key in ("created", "gpu", "sglang_version", "target", "drafter", "flags", "cuda_graph_sizes", "traces",
                 "concurrencies", "timing", "serve_command"):
