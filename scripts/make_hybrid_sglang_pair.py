@@ -20,17 +20,29 @@ writes
 
 SGLang 0.5.17 builds every Qwen3-Next MLP as a sparse MoE block (no dense layers), so the target
 has the smallest conventional MoE: 8 experts, top-2, expert width 512, plus one shared expert of the
-same width (which SGLang fuses into the expert kernel on CUDA, as for the real model).
+same width (which SGLang fuses into the expert kernel on CUDA, as for the real model). The routed
+experts of a layer share one set of weights unless --distinct-experts: the router still runs and
+picks two, but with normalised top-k weights the output no longer depends on which. With distinct
+random experts, bf16 differences between a 16-token verify forward and single-token decodes flip
+routing decisions, and the flips blow up into logit differences of 3-19 nats: greedy parity then
+fails for every speculative server alike, SGLang's own DFLASH included (measured on an H200, see
+benchmarks/results/hybrid_parity_diagnosis_h200.json; `--check-gaps` measures it on the CPU).
 
 Weights: N(0, --init-std) for every projection and the embedding; the head N(0, --lm-head-std)
 with row norms scaled by exp(--lm-head-row-sigma x N(0, 1)): a heavy-tailed head makes the top
 logit stand out, so fewer greedy steps are bf16 near-ties (i.i.d. rows give ~20 % of steps within
-two bf16 steps of the runner-up, the defaults ~6 %; top logits ~12-60); zero-centred (1 + w)
+two bf16 steps of the runner-up, the defaults ~2 %). The default head scale keeps the top logit at
+3-27, a trained model's range: bf16 noise in the logits grows with their size, and parity judges
+divergences in absolute nats (at a 5x larger scale, top logits reach 134 and a one-pass forward
+departs from decoding by up to 2.5 nats, 4 argmax flips in 768 steps above 0.25 nats; at the
+default, at most 0.5 and none). Zero-centred (1 + w)
 RMSNorms at zero, gated-norm weights at one, dt_bias at one, A = exp(A_log) ~ U[--a-min, --a-max]
 per value head (the recurrent state remembers a few to a few dozen tokens: forgetting it changes
 the very first greedy token). Deterministic for a given --seed (the same bytes under torch 2.13
 and 2.14). `--check-gaps` then runs the written target with transformers on the CPU (greedy,
-chat-templated prompts, bf16) and prints the distribution of the top-2 logit gap.
+chat-templated prompts, bf16) and prints the distribution of the top-2 logit gap, and how far one
+forward over each prompt + answer (the chunked GDN path, as a verify step) departs from the decode
+steps' logits: argmax flips and their decode-side gaps.
 
 Needs torch, safetensors, transformers (only for --check-gaps) and dspine.
 """
@@ -152,7 +164,7 @@ def target_config(args: argparse.Namespace, tok: dict) -> dict:
         "use_cache": True,
         "vocab_size": tok["vocab_size"],
         "dspine_random_target": {"seed": args.seed, "init_std": args.init_std, "lm_head_std": args.lm_head_std,
-                                 "a_range": [args.a_min, args.a_max],
+                                 "a_range": [args.a_min, args.a_max], "tied_experts": not args.distinct_experts,
                                  "made_by": "scripts/make_hybrid_sglang_pair.py"},
     }
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -209,6 +221,10 @@ def target_weights(cfg: dict, args: argparse.Namespace) -> dict[str, torch.Tenso
         w[p + "mlp.gate.weight"] = normal(e, h)
         for j in range(e):
             q = f"{p}mlp.experts.{j}."
+            if j and not args.distinct_experts:  # every routed expert equals expert 0 (see the module docstring)
+                w.update({q + n: w[f"{p}mlp.experts.0.{n}"].clone() for n in ("gate_proj.weight", "up_proj.weight",
+                                                                               "down_proj.weight")})
+                continue
             w.update({q + "gate_proj.weight": normal(im, h), q + "up_proj.weight": normal(im, h),
                       q + "down_proj.weight": normal(h, im)})
         w.update({p + "mlp.shared_expert.gate_proj.weight": normal(cfg["shared_expert_intermediate_size"], h),
@@ -271,17 +287,22 @@ def check_gaps(target_dir: Path, prompts: int, tokens: int, threshold: float) ->
     if bad:
         raise PairError(f"transformers does not load {target_dir} cleanly: {bad}")
     model.eval()
-    gaps, tops, distinct = [], [], []
+    gaps, tops, distinct, flip_gaps, diffs = [], [], [], [], []
     for text in (GAP_PROMPTS * (prompts // len(GAP_PROMPTS) + 1))[:prompts]:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
-        out = model.generate(ids, max_new_tokens=tokens, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=tokens, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+            decoded = torch.stack(out.logits, 1)[0].float()                                 # [tokens, V]
+            one_pass = model(out.sequences).logits[0, ids.shape[1] - 1:-1].float()          # same positions
         distinct.append(len(set(out.sequences[0, ids.shape[1]:].tolist())))
-        for logits in out.logits:
-            top = logits[0].float().topk(2).values
-            gaps.append(float(top[0] - top[1]))
-            tops.append(float(top[0]))
+        top2 = decoded.topk(2, -1).values
+        flips = decoded.argmax(-1) != one_pass.argmax(-1)
+        flip_gaps += (top2[:, 0] - top2[:, 1])[flips].tolist()
+        diffs.append(float((decoded - one_pass).abs().amax()))
+        gaps += (top2[:, 0] - top2[:, 1]).tolist()
+        tops += top2[:, 0].tolist()
     g, t = torch.tensor(gaps), torch.tensor(tops)
     steps = g / 2.0 ** (torch.floor(torch.log2(t.abs().clamp_min(1e-3))) - 7)  # gap in bf16 steps of the top logit
     q = torch.tensor([0.01, 0.05, 0.1, 0.25, 0.5, 0.9])
@@ -293,7 +314,11 @@ def check_gaps(target_dir: Path, prompts: int, tokens: int, threshold: float) ->
             f"frac_gap_le_{threshold}_nats": round(float((g <= threshold + 1e-9).float().mean()), 4),
             "frac_gap_le_2_bf16_steps": round(float((steps <= 2).float().mean()), 4),
             "top_logit_range": [round(min(tops), 3), round(max(tops), 3)],
-            "distinct_tokens_per_answer": distinct}
+            "distinct_tokens_per_answer": distinct,
+            "one_pass_vs_decode": {"argmax_flips": len(flip_gaps), f"flips_above_{threshold}_nats":
+                                   sum(x > threshold + 1e-9 for x in flip_gaps),
+                                   "flip_gaps_nats": [round(x, 3) for x in sorted(flip_gaps)],
+                                   "max_logit_diff_per_prompt": [round(x, 2) for x in diffs]}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,13 +342,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--conv-kernel", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--experts-per-token", type=int, default=2)
+    p.add_argument("--distinct-experts", action="store_true",
+                   help="independent random routed experts (default: all equal, so routing flips change nothing)")
     p.add_argument("--moe-intermediate", type=int, default=512, help="routed and shared expert width")
     p.add_argument("--intermediate", type=int, default=3072, help="the drafter's MLP width (config intermediate_size)")
     p.add_argument("--max-position-embeddings", type=int, default=8192)
     p.add_argument("--rope-theta", type=float, default=10000000.0)
     p.add_argument("--init-std", type=float, default=0.05, help="std of every projection and the embedding")
-    p.add_argument("--lm-head-std", type=float, default=0.01,
-                   help="std of lm_head before the row scales: the logit scale (top logits ~12-60 at the defaults)")
+    p.add_argument("--lm-head-std", type=float, default=0.002,
+                   help="std of lm_head before the row scales: the logit scale (top logits ~3-27 at the defaults)")
     p.add_argument("--lm-head-row-sigma", type=float, default=1.0,
                    help="lm_head row norms are exp(sigma x N(0,1)) (0: i.i.d. rows, many bf16 near-ties)")
     p.add_argument("--a-min", type=float, default=0.05, help="GDN decay rate A = exp(A_log) ~ U[a_min, a_max]")

@@ -170,6 +170,36 @@ def test_the_pair_is_complete_and_deterministic(make_pair, tok_dir, pair, tmp_pa
     assert sha(other / "target" / "model.safetensors") != sha(target / "model.safetensors")
 
 
+def test_routed_experts_are_tied_so_a_routing_flip_changes_nothing(make_pair, tok_dir, pair, tmp_path):
+    """Default: every routed expert of a layer equals expert 0, so re-drawing the router leaves the
+    logits as they were (fp32); with --distinct-experts the same re-draw moves them."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads((pair / "target" / "config.json").read_text())
+    assert cfg["dspine_random_target"]["tied_experts"] is True
+    tensors = read_tensors(pair / "target")
+    for i in range(cfg["num_hidden_layers"]):
+        for j in range(1, cfg["num_experts"]):
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                key = f"model.layers.{i}.mlp.experts.{{}}.{n}.weight"
+                assert torch.equal(tensors[key.format(j)], tensors[key.format(0)])
+    distinct = tmp_path / "distinct"
+    assert make_pair.main([str(tok_dir), str(distinct), *SMALL, "--distinct-experts"]) == 0
+
+    def rerouted_change(target: Path) -> float:
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, VOCAB, (1, 12), generator=g)
+        with torch.no_grad():
+            before = model(ids).logits
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.copy_(torch.randn(layer.mlp.gate.weight.shape, generator=g))
+            return float((model(ids).logits - before).abs().max())
+
+    assert rerouted_change(pair / "target") < 1e-4
+    assert rerouted_change(distinct / "target") > 1e-2
+
+
 # ---------------------------------------------------------------------------- SGLang's config path
 def test_sglang_reads_the_target_as_a_hybrid_gdn_model(pair, default_target):
     from sglang.srt.configs import hybrid_arch
