@@ -11,14 +11,14 @@ from contextlib import contextmanager
 import torch
 
 
-def publish_args(server_args) -> None:
+def publish_args(server_args, world_rank: int = 0) -> None:
     """Publish `server_args` for this process (0.5.22 also wants this process's ranks)."""
     from sglang.srt.runtime_context import publish
 
     if "ranks" in inspect.signature(publish).parameters:  # 0.5.22
         from sglang.srt.runtime_context import SpawnRanks
 
-        publish(server_args, role="test", ranks=SpawnRanks(world_rank=0))
+        publish(server_args, role="test", ranks=SpawnRanks(world_rank=world_rank))
     else:
         publish(server_args, role="test")
 
@@ -27,6 +27,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def init_tp_groups(rank: int, world_size: int, port: int) -> None:
+    """This process as rank `rank` of a `world_size`-process gloo world, all of it one TP group
+    (publish the server args, with --tp-size world_size, first)."""
+    from sglang.srt.distributed import parallel_state as ps
+
+    cuda_group = ps.init_model_parallel_group
+
+    def cpu_group(*args, **kwargs):  # no NCCL / custom all-reduce communicators: gloo alone
+        return cuda_group(*args, **{**kwargs, "use_pynccl": False, "use_custom_allreduce": False,
+                                    "use_torch_symm_mem_allreduce": False})
+
+    ps.init_model_parallel_group = cpu_group
+    ps.init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank, backend="gloo",
+                                    distributed_init_method=f"tcp://127.0.0.1:{port}")
+    if "tensor_model_parallel_size" in inspect.signature(ps.initialize_model_parallel).parameters:  # 0.5.17
+        ps.initialize_model_parallel(tensor_model_parallel_size=world_size, backend="gloo")
+    else:  # 0.5.22 reads the widths from the published args
+        ps.initialize_model_parallel(backend="gloo")
 
 
 @contextmanager
