@@ -98,7 +98,7 @@ def server_summary(url: str, timeout: float) -> dict:
     """What the result must say about a server: SGLang version, algorithm, model and drafter paths."""
     try:
         info = Client(url, timeout).get("/server_info")
-    except OSError as err:
+    except (OSError, ValueError) as err:  # unreachable, or not JSON: the verdict does not depend on it
         return {"error": f"/server_info: {err}"}
     keys = ("version", "speculative_algorithm", "model_path", "speculative_draft_model_path",
             "speculative_num_draft_tokens")
