@@ -176,6 +176,21 @@ def _anchor_row(table, anchor_ids, i_b, o_r, m_r, R: tl.constexpr):
 
 
 @_kernels.jit
+def _candidate_rows(table, b_idx, o_r, m_k, m_r, R: tl.constexpr):
+    """The table rows U[b_idx] of the candidates ([KP, RP] fp32; masked slots 0)."""
+    return tl.load(table + b_idx[:, None] * R + o_r[None, :], mask=m_k[:, None] & m_r[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@_kernels.jit
+def _softmax_mix(b_s, b_u):
+    """softmax(b_s) [KP] (masked slots at -inf) as weights over the candidate rows b_u [KP, RP]: [RP]."""
+    b_w = tl.exp(b_s - tl.max(b_s, axis=0))
+    b_w = b_w / tl.sum(b_w, axis=0)
+    return tl.sum(b_w[:, None] * b_u, axis=0)
+
+
+@_kernels.jit
 def _empty_top(BLOCK_M: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
     o_k = tl.arange(0, KP)
     b_top = tl.where(o_k < K, -9223372036854775806 + o_k.to(tl.int64), 9223372036854775807)  # [KP]
@@ -272,12 +287,8 @@ def transfer_merge_fwd_kernel(
         b_val, b_idx = _unpack_keys(tl.reshape(b_top, [KP]))         # [KP]
         if WRITE_CAND:
             tl.store(cand + i_p * K + o_k, b_idx.to(tl.int64), mask=m_k)
-        b_val = tl.where(m_k, b_val, float("-inf"))
-        b_w = tl.exp(b_val - tl.max(b_val, axis=0))
-        b_w = b_w / tl.sum(b_w, axis=0)                             # [KP] softmax weights
-        b_u = tl.load(table + b_idx.to(tl.int64)[:, None] * R + o_r[None, :], mask=m_k[:, None] & m_r[None, :],
-                      other=0.0).to(tl.float32)                     # [KP, RP]
-        b_t = tl.sum(b_w[:, None] * b_u, axis=0)                    # [RP]
+        b_u = _candidate_rows(table, b_idx.to(tl.int64), o_r, m_k, m_r, R)           # [KP, RP]
+        b_t = _softmax_mix(tl.where(m_k, b_val, float("-inf")), b_u)                # [RP]
     tl.store(t + i_p * R + o_r, b_t, mask=m_r)
 
 
@@ -305,12 +316,9 @@ def candidate_features_fwd_kernel(
     else:
         b_q = tl.load(q + (i_b * (B - 2) + i_pos - 1) * R + o_r, mask=m_r, other=0.0).to(tl.float32)  # [RP]
         b_idx = tl.load(cand + i_p * K + o_k, mask=m_k, other=0).to(tl.int64)       # [KP]
-        b_u = tl.load(table + b_idx[:, None] * R + o_r[None, :], mask=m_k[:, None] & m_r[None, :],
-                      other=0.0).to(tl.float32)                     # [KP, RP]
+        b_u = _candidate_rows(table, b_idx, o_r, m_k, m_r, R)                        # [KP, RP]
         b_s = tl.where(m_k, tl.sum(b_u * b_q[None, :], axis=1), float("-inf"))   # [KP] scores
-        b_w = tl.exp(b_s - tl.max(b_s, axis=0))
-        b_w = b_w / tl.sum(b_w, axis=0)                             # [KP] softmax weights
-        b_t = tl.sum(b_w[:, None] * b_u, axis=0)                    # [RP]
+        b_t = _softmax_mix(b_s, b_u)                                                 # [RP]
     tl.store(t + i_p * R + o_r, b_t, mask=m_r)
 
 
