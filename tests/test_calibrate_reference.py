@@ -42,6 +42,7 @@ def test_a_run_fits_on_tune_and_reports_on_heldout(tmp_path, monkeypatch):
     assert len(PositionCalibration.from_json(sts.read_text()).temperatures) == 3
     assert "biases" not in json.loads(sts.read_text())                 # SGLang's STS file, unchanged
     fit = PositionCalibration.from_json(affine.read_text())
+    assert len(fit.biases) == 3                                         # an affine fit, not a temperature-only one
     assert list(fit.temperatures) == report["affine"]["temperatures"] and list(fit.biases) == report["affine"]["biases"]
     assert [r["position"] for r in report["affine"]["positions"]] == [1, 2, 3]
     assert report["affine"]["largest_gap_points"] == max(abs(r["gap_points"]) for r in report["affine"]["positions"])
