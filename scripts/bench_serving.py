@@ -272,9 +272,14 @@ def classify(ar: Reply, spec: Reply, near_tie_nats: float) -> dict:
     return {"kind": verdict(gap, near_tie_nats), "position": k, "gap": gap}
 
 
+# The server returns fp32 logprobs, so a gap of exactly two bf16 steps can arrive as 0.25000006.
+LOGPROB_GAP_TOLERANCE = 1e-5
+
+
 def verdict(gap: float | None, near_tie_nats: float) -> str:
-    """"near_tie" when the AR server's top-2 gap at the divergence is at most `near_tie_nats`."""
-    return "near_tie" if gap is not None and gap <= near_tie_nats + 1e-9 else "other"
+    """"near_tie" when the AR server's top-2 gap at the divergence is at most `near_tie_nats`
+    (up to fp32 rounding of the logprobs, `LOGPROB_GAP_TOLERANCE`)."""
+    return "near_tie" if gap is not None and gap <= near_tie_nats + LOGPROB_GAP_TOLERANCE else "other"
 
 
 def gap_histogram(divergences: list[dict]) -> dict[str, int]:

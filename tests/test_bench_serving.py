@@ -258,6 +258,8 @@ def test_near_tie_threshold_is_inclusive_and_bf16_sized():
     assert bench.parse_args([]).near_tie_nats == 0.25  # two bf16 steps of a logit in [16, 32)
     assert [bench.verdict(g, 0.25) for g in (0.0, 0.125, 0.25, 0.375, None)] \
         == ["near_tie", "near_tie", "near_tie", "other", "other"]
+    # fp32 logprobs: two bf16 steps measured on the H200 as 0.2500000596 (HumanEval/6); 0.2501 is not a tie.
+    assert [bench.verdict(g, 0.25) for g in (0.2500000596046448, 0.2501)] == ["near_tie", "other"]
 
 
 def test_schema_check_rejects_missing_and_mistyped():
