@@ -5,6 +5,7 @@ built). GPU host, full shapes: `TRITON_INTERPRET=0 pytest -m gpu tests/test_kern
 Outputs are pre-filled with NaN (-1 for indices) so an unwritten element fails.
 """
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is built
@@ -19,8 +20,11 @@ from dspine.drafter import DSpineDraftModel  # noqa: E402
 from dspine.kernels.adjacent_injection import (  # noqa: E402
     adjacent_injection,
     adjacent_injection_reference,
+    blocks_for,
     candidate_features,
     inject_features_reference,
+    inject_on_candidates,
+    inject_on_candidates_reference,
     transfer_features,
     transfer_features_on_candidates,
     transfer_features_reference,
@@ -282,6 +286,43 @@ def test_candidate_features_kernel(n, blk, hidden, rank, top_k, dtype):
     _check_candidate_features(n, blk, hidden, 300, rank, top_k, dtype, seed=n)
 
 
+def _check_inject_on_candidates(n, blk, hidden, vocab, rank, top_k, dtype, device="cpu", seed=0, **blocks):
+    """The fused later layer against `inject_on_candidates_reference` on random candidates (repeats
+    allowed: a layer-1 top-k never has them, the kernels must not care). Row 0 of the candidates is
+    random too: the anchor's feature must come from `anchor_ids` alone. `blocks` overrides the
+    launch configuration (`InjectionBlocks` fields)."""
+    x = _injection_inputs(n, blk, hidden, vocab, rank, dtype, device, seed)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    cand = torch.randint(0, vocab, (n, blk - 1, top_k), generator=g).to(device)
+    args = (x["h"], x["score_weight"], x["table"], x["anchor_ids"], cand, x["gate_weight"], x["gate_bias"],
+            x["out_weight"])
+    out = torch.full_like(x["h"], float("nan"))
+    inject_on_candidates(*args, blocks=dataclasses.replace(blocks_for(n, blk), **blocks), out=out)
+    want = inject_on_candidates_reference(*args)
+    assert not out.isnan().any()
+    assert torch.equal(out[:, 0], x["h"][:, 0])
+    # Every position within tolerance (the anchor's successor included), not only the whole tensor.
+    worst = max(_rel(out[:, i], want[:, i]) for i in range(1, blk))
+    assert worst < TOL[dtype], f"worst position's relative error {worst:.3g}"
+
+
+@interpreted
+@pytest.mark.parametrize("n, blk, hidden, vocab, rank, top_k, dtype, blocks", [
+    (1, 16, 64, 1000, 32, 8, torch.float32, {}),
+    (3, 8, 96, 2000, 64, 4, torch.bfloat16, {}),
+    (8, 16, 128, 5000, 256, 16, torch.bfloat16, {}),   # 128 rows: wide H-spans (mix_tiles_n 4)
+    (2, 16, 576, 3000, 256, 8, torch.bfloat16, {}),    # SmolLM2's H
+    (5, 8, 64, 1500, 48, 5, torch.float32, {}),        # 40 rows, r and k not powers of two
+    (4, 16, 200, 2500, 32, 8, torch.float32,           # split-K with a ragged last split, several H-tiles
+     dict(hidden_split=3, hidden_block_k=32, hidden_block_n=16, mix_block_n=16, mix_tiles_n=3)),
+    (6, 8, 64, 1000, 32, 4, torch.bfloat16, dict(hidden_split=2, hidden_block_k=32, hidden_block_m=32, mix_block_m=32)),
+    (2, 3, 32, 600, 16, 4, torch.float32, {}),         # one scored position
+    (3, 2, 32, 500, 32, 4, torch.bfloat16, {}),        # anchor only: nothing scored
+])
+def test_inject_on_candidates_matches_reference(n, blk, hidden, vocab, rank, top_k, dtype, blocks):
+    _check_inject_on_candidates(n, blk, hidden, vocab, rank, top_k, dtype, seed=n, **blocks)
+
+
 @interpreted
 def test_first_layer_drafter_uses_the_candidate_kernel_and_matches_the_reference(monkeypatch):
     """A first_layer drafter through the kernels (forced) equals its PyTorch path."""
@@ -312,6 +353,23 @@ def test_first_layer_drafter_uses_the_candidate_kernel_and_matches_the_reference
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("n, hidden, vocab, top_k", [(1, 4096, 151936, 8), (32, 4096, 151936, 8),
+                                                     (64, 576, 49152, 16), (8, 5120, 152064, 4)])
+def test_inject_on_candidates_gpu(n, hidden, vocab, top_k):
+    _check_inject_on_candidates(n, 16, hidden, vocab, 256, top_k, torch.bfloat16, device="cuda", seed=n)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("blocks", [dict(hidden_split=2), dict(hidden_split=4, hidden_block_k=256),
+                                    dict(mix_warps=4), dict(mix_tiles_n=4, mix_block_n=64)])
+def test_inject_on_candidates_gpu_variants(blocks):
+    """Launch-config variants the benchmark sweeps, at 8B shapes, bs 1."""
+    _check_inject_on_candidates(1, 16, 4096, 151936, 256, 8, torch.bfloat16, device="cuda", seed=2, **blocks)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("n, hidden, vocab, top_k", [(1, 4096, 151936, 8), (64, 576, 49152, 16)])
 def test_candidate_features_gpu(n, hidden, vocab, top_k):
     _check_candidate_features(n, 16, hidden, vocab, 256, top_k, torch.bfloat16, device="cuda", seed=n)
@@ -331,8 +389,11 @@ def test_injection_candidates_gpu(n, hidden, vocab, top_k):
     bad = (found[:, 1:].sort(-1).values != want.sort(-1).values).any(-1).sum().item()
     assert (found >= 0).all() and bad <= max(1, n * 14 // 100), f"{bad} rows differ"
     t = transfer_features_on_candidates(x["h"], x["score_weight"], x["table"], x["anchor_ids"], found)
-    t_ref, _ = _oracle(x, top_k)
+    t_ref, h_ref = _oracle(x, top_k)
     assert _rel(t, t_ref[:, :-1]) < TOL[torch.bfloat16]
+    out = inject_on_candidates(x["h"], x["score_weight"], x["table"], x["anchor_ids"], found, x["gate_weight"],
+                               x["gate_bias"], x["out_weight"])
+    assert _rel(out, h_ref) < TOL[torch.bfloat16]  # the fused later layer on its own top-k: the per-layer result
 
 
 @gpu
