@@ -164,12 +164,14 @@ def test_transition_path_matches_reference(bs, n, k, lam):
     _check_selection(bs, n, k, lam)
 
 
-def _tiny_drafter(seed=0):
+def _tiny_drafter(seed=0, candidates="per_layer"):
     torch.manual_seed(seed)
     cfg = DSpineConfig(hidden_size=64, vocab_size=640, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=128, num_target_layers=8, mask_token_id=3, num_hidden_layers=2,
-                       layer_loss_weights=[0.5, 0.4], block_size=8, transfer_rank=32, injection_top_k=4,
-                       selection_top_k=4, sliding_window=64)
+                       intermediate_size=128, num_target_layers=8, mask_token_id=3,
+                       num_hidden_layers=2 if candidates == "per_layer" else 3,
+                       layer_loss_weights=[0.5, 0.4] if candidates == "per_layer" else [0.5, 0.4, 0.3], block_size=8,
+                       transfer_rank=32, injection_top_k=4, selection_top_k=4, sliding_window=64,
+                       injection_candidates=candidates)
     model = DSpineDraftModel(cfg).eval()
     with torch.no_grad():  # spread the transfer scores: larger P and W_s than the training init
         model.transfer.proj.weight.normal_(std=0.5)
@@ -200,8 +202,11 @@ def _draft(model, bs=2, ctx=12, seed=1):
 
 
 @interpreted
-def test_drafter_triton_path_matches_torch_path(monkeypatch):
-    model = _tiny_drafter()
+@pytest.mark.parametrize("candidates", ["per_layer", "first_layer"])
+def test_drafter_triton_path_matches_torch_path(monkeypatch, candidates):
+    """The whole draft (forward, logits, selection) through the kernels equals the PyTorch path; with
+    `first_layer` candidates, layers 2.. run `inject_on_candidates`."""
+    model = _tiny_drafter(candidates=candidates)
     monkeypatch.setenv("DSPINE_KERNELS", "torch")
     hidden_ref, sel_ref = _draft(model)
     # The injection module on its own, fused path (need_scores=False) vs reference path.
@@ -213,7 +218,10 @@ def test_drafter_triton_path_matches_torch_path(monkeypatch):
     assert scores is None
     torch.testing.assert_close(inj, inj_ref, rtol=1e-5, atol=1e-5)
     hidden, sel = _draft(model)
-    torch.testing.assert_close(hidden, hidden_ref, rtol=1e-4, atol=1e-5)
+    # first_layer: each later layer of either path is within 1e-6 of a float64 evaluation; the sharp
+    # transfer softmax of this drafter (W_s at std 0.5) amplifies the accumulation-order difference
+    # to ~5e-5 by the third layer.
+    torch.testing.assert_close(hidden, hidden_ref, rtol=1e-4, atol=1e-5 if candidates == "per_layer" else 1e-4)
     assert torch.equal(sel.tokens, sel_ref.tokens) and torch.equal(sel.choice, sel_ref.choice)
     torch.testing.assert_close(sel.q, sel_ref.q, rtol=0, atol=1e-5)
 
@@ -324,8 +332,9 @@ def test_inject_on_candidates_matches_reference(n, blk, hidden, vocab, rank, top
 
 
 @interpreted
-def test_first_layer_drafter_uses_the_candidate_kernel_and_matches_the_reference(monkeypatch):
-    """A first_layer drafter through the kernels (forced) equals its PyTorch path."""
+def test_first_layer_drafter_uses_the_fused_later_layer_and_matches_the_reference(monkeypatch):
+    """A first_layer drafter's injections through the kernels (forced) equal its PyTorch path, and
+    every later layer goes through `inject_on_candidates`."""
     torch.manual_seed(0)
     cfg = DSpineConfig(hidden_size=32, vocab_size=300, num_attention_heads=4, num_key_value_heads=2,
                        intermediate_size=64, num_target_layers=4, mask_token_id=0, num_hidden_layers=5,
@@ -338,8 +347,8 @@ def test_first_layer_drafter_uses_the_candidate_kernel_and_matches_the_reference
     table = model.transfer_table()
     calls = []
     import dspine.kernels.adjacent_injection as kernels_module
-    real = kernels_module.candidate_features
-    monkeypatch.setattr(kernels_module, "candidate_features", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kernels_module.inject_on_candidates
+    monkeypatch.setattr(kernels_module, "inject_on_candidates", lambda *a, **k: calls.append(1) or real(*a, **k))
     outs = {}
     for mode in ("torch", "triton"):
         monkeypatch.setenv("DSPINE_KERNELS", mode)
