@@ -326,36 +326,6 @@ def transfer_merge_fwd_kernel(
 
 
 @_kernels.jit
-def candidate_features_fwd_kernel(
-    q,  # [n, B - 2, R] queries h W_sᵀ of positions 1..B-2, table dtype
-    table,  # [V, R]
-    anchor_ids,  # [n]
-    cand,  # [n, B - 1, K] int64 candidate ids (row 0, the anchor's, is not read)
-    t,  # [n, B - 1, R] fp32 features of the positions that have a successor
-    B: tl.constexpr,
-    R: tl.constexpr,
-    RP: tl.constexpr,
-    K: tl.constexpr,
-    KP: tl.constexpr,
-):
-    i_p = tl.program_id(0)                                          # = blk * (B - 1) + pos
-    i_b, i_pos = i_p // (B - 1), i_p % (B - 1)
-    o_r = tl.arange(0, RP)
-    m_r = o_r < R
-    o_k = tl.arange(0, KP)
-    m_k = o_k < K
-    if i_pos == 0:
-        _, b_t = _anchor_row(table, anchor_ids, i_b, o_r, m_r, R)
-    else:
-        b_q = tl.load(q + (i_b * (B - 2) + i_pos - 1) * R + o_r, mask=m_r, other=0.0).to(tl.float32)  # [RP]
-        b_idx = tl.load(cand + i_p * K + o_k, mask=m_k, other=0).to(tl.int64)       # [KP]
-        b_u = _candidate_rows(table, b_idx, o_r, m_k, m_r, R)                        # [KP, RP]
-        b_s = tl.where(m_k, tl.sum(b_u * b_q[None, :], axis=1), float("-inf"))   # [KP] scores
-        b_t = _softmax_mix(b_s, b_u)                                                 # [RP]
-    tl.store(t + i_p * R + o_r, b_t, mask=m_r)
-
-
-@_kernels.jit
 def _hidden_dot(x, w, o_m64, m_m, o_n, m_n, k_lo, k_hi, X_STRIDE, W_STRIDE, b_acc, BLOCK_K: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     """b_acc + x[o_m, k_lo:k_hi] · w[o_n, k_lo:k_hi]ᵀ ([BLOCK_M, BLOCK_N] fp32); rows of x and of w
@@ -664,27 +634,6 @@ def transfer_features(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids
                                                 candidates_out if candidates_out is not None else t,
                                                 max(rows, 1), splits, B=blk, R=rank, RP=rp, K=top_k, KP=kp,
                                                 BLOCK_S=block_s, WRITE_CAND=candidates_out is not None, num_warps=8)
-    return t
-
-
-def candidate_features(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids: Tensor, candidates: Tensor,
-                       out: Tensor | None = None) -> Tensor:
-    """Fused `transfer_features_on_candidates`: t [n, B-1, r] fp32 (t[:, 0] = U[anchor]; row i from
-    the softmax over this layer's scores of `candidates[:, i]` [n, B-1, k] int64, row 0 unused),
-    written into `out` when given. One GEMM for q (the reference's own op) and one launch."""
-    n, blk, hidden = h.shape
-    rank = table.shape[1]
-    top_k = candidates.shape[-1]
-    assert blk >= 2 and score_weight.shape == (rank, hidden) and table.is_contiguous()
-    assert candidates.shape == (n, blk - 1, top_k) and candidates.dtype == torch.int64 and anchor_ids.shape == (n,)
-    _kernels.build()
-    t = torch.empty(n, blk - 1, rank, dtype=torch.float32, device=h.device) if out is None else out
-    assert t.shape == (n, blk - 1, rank) and t.dtype == torch.float32 and t.is_contiguous()
-    q = (h[:, 1:-1] @ score_weight.T).contiguous()                  # [n, B-2, r], the reference's own op
-    assert q.dtype == table.dtype, "h, score_weight and table must share a dtype"
-    candidate_features_fwd_kernel[(n * (blk - 1),)](q, table, anchor_ids.contiguous(), candidates.contiguous(), t,
-                                                    B=blk, R=rank, RP=max(16, _next_pow2(rank)), K=top_k,
-                                                    KP=max(2, _next_pow2(top_k)), num_warps=4)
     return t
 
 

@@ -21,7 +21,6 @@ from dspine.kernels.adjacent_injection import (  # noqa: E402
     adjacent_injection,
     adjacent_injection_reference,
     blocks_for,
-    candidate_features,
     inject_features_reference,
     inject_on_candidates,
     inject_on_candidates_reference,
@@ -269,31 +268,6 @@ def test_adjacent_injection_gpu(n, hidden, vocab, top_k):
     assert _rel(out, h_ref) < TOL[torch.bfloat16]
 
 
-def _check_candidate_features(n, blk, hidden, vocab, rank, top_k, dtype, device="cpu", seed=0):
-    """The fused later-layer features against `transfer_features_on_candidates` on random
-    candidates (repeats allowed, as a layer-1 top-k never has them but the kernel must not care)."""
-    x = _injection_inputs(n, blk, hidden, vocab, rank, dtype, device, seed)
-    g = torch.Generator(device="cpu").manual_seed(seed + 1)
-    cand = torch.randint(0, vocab, (n, blk - 1, top_k), generator=g).to(device)
-    t = torch.full((n, blk - 1, rank), float("nan"), device=device)
-    candidate_features(x["h"], x["score_weight"], x["table"], x["anchor_ids"], cand, out=t)
-    want = transfer_features_on_candidates(x["h"], x["score_weight"], x["table"], x["anchor_ids"], cand)
-    assert not t.isnan().any()
-    torch.testing.assert_close(t[:, 0], x["table"][x["anchor_ids"]].float(), rtol=0, atol=0)
-    # Both score in fp32 from the same q; the softmax-weighted sums differ only in accumulation order
-    # (on the H200, 2 of 245,760 features of the SmolLM2 bs-64 case by 1.26e-5).
-    torch.testing.assert_close(t, want, rtol=1e-4, atol=3e-5)
-
-
-@interpreted
-@pytest.mark.parametrize("n, blk, hidden, rank, top_k, dtype", [
-    (1, 16, 64, 32, 8, torch.float32), (3, 8, 48, 16, 4, torch.bfloat16), (5, 16, 32, 24, 16, torch.float32),
-    (2, 3, 16, 16, 5, torch.bfloat16),
-])
-def test_candidate_features_kernel(n, blk, hidden, rank, top_k, dtype):
-    _check_candidate_features(n, blk, hidden, 300, rank, top_k, dtype, seed=n)
-
-
 def _check_inject_on_candidates(n, blk, hidden, vocab, rank, top_k, dtype, device="cpu", seed=0, **blocks):
     """The fused later layer against `inject_on_candidates_reference` on random candidates (repeats
     allowed: a layer-1 top-k never has them, the kernels must not care). Row 0 of the candidates is
@@ -375,13 +349,6 @@ def test_inject_on_candidates_gpu(n, hidden, vocab, top_k):
 def test_inject_on_candidates_gpu_variants(blocks):
     """Launch-config variants the benchmark sweeps, at 8B shapes, bs 1."""
     _check_inject_on_candidates(1, 16, 4096, 151936, 256, 8, torch.bfloat16, device="cuda", seed=2, **blocks)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("n, hidden, vocab, top_k", [(1, 4096, 151936, 8), (64, 576, 49152, 16)])
-def test_candidate_features_gpu(n, hidden, vocab, top_k):
-    _check_candidate_features(n, 16, hidden, vocab, 256, top_k, torch.bfloat16, device="cuda", seed=n)
 
 
 @pytest.mark.gpu
