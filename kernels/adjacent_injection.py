@@ -210,7 +210,8 @@ def _anchor_row(table, anchor_ids, i_b, o_r, m_r, R: tl.constexpr):
 
 @_kernels.jit
 def _candidate_rows(table, b_idx, o_r, m_k, m_r, R: tl.constexpr):
-    """The table rows U[b_idx] of the candidates ([KP, RP] fp32; masked slots 0)."""
+    """The table rows U[b_idx] of the candidates ([KP, RP] fp32; masked slots 0). Also a tile's rows:
+    b_idx and m_k [BLOCK_M] -> [BLOCK_M, RP]."""
     return tl.load(table + b_idx[:, None] * R + o_r[None, :], mask=m_k[:, None] & m_r[None, :],
                    other=0.0).to(tl.float32)
 
@@ -553,7 +554,7 @@ class InjectionBlocks:
     mix_block_m: int = 16
     mix_block_n: int = 32
     mix_tiles_n: int = 1
-    mix_warps: int = 4
+    mix_warps: int = 8
 
 
 def _next_pow2(x: int) -> int:
