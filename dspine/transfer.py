@@ -14,8 +14,7 @@ from torch import Tensor, nn
 from dspine.kernels import dispatch
 from dspine.kernels.adjacent_injection import (
     adjacent_injection_reference,
-    inject_features_reference,
-    transfer_features_on_candidates,
+    inject_on_candidates_reference,
 )
 
 
@@ -67,7 +66,8 @@ class AdjacentInjection(nn.Module):
         """`injection_candidates = "first_layer"`. Layer 1 (`candidates=None`) scans the vocabulary as
         `forward` does and also returns its top-k ids [n, B-1, k] (position 0: the anchor's, unused);
         later layers re-weight those candidates with their own scores (`transfer_features_on_candidates`)
-        instead of scanning again. Returns (h_out [n, B, H], scores [n, B, V] or None, candidates)."""
+        instead of scanning again, fused with the gate in two launches (`inject_on_candidates`).
+        Returns (h_out [n, B, H], scores [n, B, V] or None, candidates)."""
         fused = not need_scores and dispatch.use_triton(h)
         if candidates is None:
             if fused:
@@ -82,14 +82,14 @@ class AdjacentInjection(nn.Module):
                                                        self.gate.bias, self.out_proj.weight, self.top_k)
             found = scores[:, :-1].topk(self.top_k, dim=-1).indices
             return out, scores if need_scores else None, found
+        args = (h, self.score_proj.weight, table, anchor_ids, candidates, self.gate.weight, self.gate.bias,
+                self.out_proj.weight)
         if fused:
-            from dspine.kernels.adjacent_injection import candidate_features, inject_features
+            from dspine.kernels.adjacent_injection import inject_on_candidates
 
-            t = candidate_features(h, self.score_proj.weight, table, anchor_ids, candidates)
-            out = inject_features(h, t, self.gate.weight, self.gate.bias, self.out_proj.weight)
+            out = inject_on_candidates(*args)
         else:
-            t = transfer_features_on_candidates(h, self.score_proj.weight, table, anchor_ids, candidates)
-            out = inject_features_reference(h, t, self.gate.weight, self.gate.bias, self.out_proj.weight)
+            out = inject_on_candidates_reference(*args)
         scores = (h @ self.score_proj.weight.T) @ table.T if need_scores else None
         return out, scores, candidates
 

@@ -1,7 +1,8 @@
 """Fused injection and selection kernels vs eager and torch.compile references; the draft round.
 
 Measures, at Qwen3-8B and SmolLM2-135M shapes and bs 1/8/32: the fused adjacent injection (one
-layer, five layers, and variants that drop a stage), the transition-path kernel and the whole
+layer, five layers, and variants that drop a stage; with injection_candidates "first_layer", one
+later layer and the five-layer chain), the transition-path kernel and the whole
 `select_tokens`, each against the eager PyTorch reference and `torch.compile` of it (CUDA-graph
 replays, median of >= 50); a full draft round (`DSpineProposer.propose`, context 1024) of DSpine
 vs the ablation (no injection, argmax selection); and a 16-token verify of a target of the same
@@ -23,6 +24,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -83,11 +85,11 @@ from dspine.kernels.adjacent_injection import (  # noqa: E402
     adjacent_injection,
     adjacent_injection_reference,
     blocks_for,
-    candidate_features,
     inject_features,
     inject_features_reference,
+    inject_on_candidates,
+    inject_on_candidates_reference,
     transfer_features,
-    transfer_features_on_candidates,
     transfer_features_reference,
 )
 from dspine.kernels.transition_select import transition_path, transition_path_reference  # noqa: E402
@@ -122,6 +124,16 @@ TOPK_VARIANTS = [{}, {"warps": 8}, {"block_v": 128, "warps": 8}, {"block_v": 32}
 TOPK_VARIANTS_LARGE = [{}, {"warps": 8}, {"block_v": 32}, {"early_exit": False}]
 GATE_VARIANTS = [{}, {"gate_block_n": 16, "gate_block_k": 256}, {"gate_block_n": 64, "gate_block_k": 64},
                  {"gate_block_k": 256, "gate_stages": 3}]
+# A later layer of injection_candidates "first_layer" (`inject_on_candidates`): its pass over h (hidden_*: the
+# gate's GEMM plus W_s; hidden_split programs per dot, split-K), then its features-and-gate kernel (mix_*),
+# each swept on top of the best of the one before. (sm_90, offline: the default mix program takes 185
+# registers at 8 warps and spills at 4.)
+LATER_HIDDEN_VARIANTS = [{}, {"hidden_split": 2}, {"hidden_split": 4, "hidden_block_k": 256},
+                         {"hidden_block_k": 256, "hidden_stages": 3}, {"hidden_block_n": 16, "hidden_block_k": 256},
+                         {"hidden_split": 2, "hidden_block_n": 64}]
+LATER_HIDDEN_VARIANTS_LARGE = [{}, {"hidden_split": 2}, {"hidden_block_k": 256, "hidden_stages": 3}]
+LATER_MIX_VARIANTS = [{}, {"mix_warps": 4}, {"mix_block_n": 64}, {"mix_block_n": 16}, {"mix_tiles_n": 2}]
+LATER_MIX_VARIANTS_LARGE = [{}, {"mix_tiles_n": 8}, {"mix_block_n": 32, "mix_tiles_n": 8}, {"mix_tiles_n": 1}]
 
 SMOKE = ARGS.cpu_smoke
 DEVICE = torch.device("cpu" if SMOKE else "cuda")
@@ -133,8 +145,14 @@ BATCHES = [1, 2] if SMOKE else [1, 32] if ARGS.quick else [1, 8, 32]
 CONTEXT = 32 if SMOKE else 1024
 if SMOKE:
     RANK, TOP_K, TOPK_VARIANTS, TOPK_VARIANTS_LARGE, GATE_VARIANTS = 32, 4, [{}, {"early_exit": False}], [{}], [{}]
+    LATER_HIDDEN_VARIANTS = [{}, {"hidden_split": 2, "hidden_block_k": 32}]
+    LATER_MIX_VARIANTS = [{}, {"mix_tiles_n": 2}]
+    LATER_HIDDEN_VARIANTS_LARGE, LATER_MIX_VARIANTS_LARGE = [{}], [{}]
 elif ARGS.quick:
     TOPK_VARIANTS, TOPK_VARIANTS_LARGE, GATE_VARIANTS = TOPK_VARIANTS[:4], TOPK_VARIANTS_LARGE[:3], GATE_VARIANTS[:2]
+    LATER_HIDDEN_VARIANTS, LATER_MIX_VARIANTS = LATER_HIDDEN_VARIANTS[:3], LATER_MIX_VARIANTS[:2]
+    LATER_HIDDEN_VARIANTS_LARGE = LATER_HIDDEN_VARIANTS_LARGE[:2]
+    LATER_MIX_VARIANTS_LARGE = LATER_MIX_VARIANTS_LARGE[:2]
 OUT_DIR = ARGS.out_dir or (Path("/tmp/dspine_bench_smoke") if SMOKE else ROOT / "benchmarks" / "results")
 GB = 1e9
 
@@ -248,12 +266,14 @@ def shape_table() -> dict:
 
 def injection_bytes(hidden: int, vocab: int, bs: int, stage: str = "layer") -> int:
     """Fewest bytes one layer's injection (or one stage of it) must move: every weight and the
-    table read once, h read and h_out written once (t, fp32, between the stages)."""
+    table read once, h read and h_out written once (t, fp32, between the stages). "later": a later
+    layer of injection_candidates "first_layer" (W_s, G, W_o, the candidate ids and their U rows)."""
     e = torch.tensor([], dtype=DTYPE).element_size()
     h_bytes, t_bytes = bs * BLOCK * hidden * e, bs * (BLOCK - 1) * RANK * 4
     features = (vocab * RANK + RANK * hidden) * e + h_bytes + t_bytes
     gate = (hidden * (hidden + RANK) + hidden * RANK + hidden) * e + 2 * h_bytes + t_bytes
-    return {"features": features, "gate": gate, "layer": features + gate - 2 * t_bytes}[stage]
+    later = gate - t_bytes + RANK * hidden * e + bs * (BLOCK - 1) * TOP_K * (8 + RANK * e)
+    return {"features": features, "gate": gate, "layer": features + gate - 2 * t_bytes, "later": later}[stage]
 
 
 class InjectionInputs:
@@ -281,6 +301,19 @@ class InjectionInputs:
         return (self.h if h is None else h, w["score_weight"], self.table, self.anchor_ids, w["gate_weight"],
                 w["gate_bias"], w["out_weight"], TOP_K)
 
+    def later_args(self, layer: int, candidates: torch.Tensor, h=None) -> tuple:
+        """Arguments of `inject_on_candidates` (a later layer re-weighting `candidates`)."""
+        w = self.layers[layer]
+        return (self.h if h is None else h, w["score_weight"], self.table, self.anchor_ids, candidates,
+                w["gate_weight"], w["gate_bias"], w["out_weight"])
+
+    def candidates(self, blocks: InjectionBlocks | None = None) -> torch.Tensor:
+        """Layer 1's top-k ids [bs, B-1, k] (the fused scan's `candidates_out`)."""
+        found = torch.empty(self.bs, BLOCK - 1, TOP_K, dtype=torch.int64, device=DEVICE)
+        transfer_features(self.h, self.layers[0]["score_weight"], self.table, self.anchor_ids, TOP_K, blocks,
+                          candidates_out=found)
+        return found
+
 
 def _oracle_t(x: InjectionInputs, layer: int = 0) -> torch.Tensor:
     """Reference features with fp32 scores (q by the reference's own op), [bs, B-1, r]."""
@@ -298,6 +331,14 @@ def check_features(t: torch.Tensor, t_ref: torch.Tensor) -> dict:
 
 def features_ok(check: dict) -> bool:
     return not check["nan"] and check["bad_rows"] <= max(1, check["rows"] // 100)
+
+
+def later_rel_err(x: InjectionInputs, candidates: torch.Tensor, blocks: InjectionBlocks, layer: int = 1) -> float:
+    """Relative error of the fused later layer against its reference (NaN -> inf)."""
+    out = inject_on_candidates(*x.later_args(layer, candidates), blocks=blocks).float()
+    ref = inject_on_candidates_reference(*x.later_args(layer, candidates)).float()
+    err = float((out - ref).norm() / ref.norm())
+    return err if math.isfinite(err) else float("inf")
 
 
 # ------------------------------------------------------------------------------ reference fns
@@ -449,6 +490,28 @@ def sweep_blocks(x: InjectionInputs, shape: str) -> InjectionBlocks:
         log(f"  sweep gate {str(over):<42} {ms:8.4f} ms")
         if ms < best_ms:
             best, best_ms = blocks, ms
+    # A later layer (inject_on_candidates): its pass over h, then its features-and-gate kernel.
+    candidates = x.candidates(best)
+    large = x.bs * (BLOCK - 2) > 64
+    for stage, variants in (("later_hidden", LATER_HIDDEN_VARIANTS_LARGE if large else LATER_HIDDEN_VARIANTS),
+                            ("later_mix", LATER_MIX_VARIANTS_LARGE if large else LATER_MIX_VARIANTS)):
+        start, best_ms = best, float("inf")
+        for over in variants:
+            if remaining() < 90 and over:
+                break
+            blocks = dataclasses.replace(start, **over)
+            try:
+                err = later_rel_err(x, candidates, blocks)
+                ms = bench_ms(cycle(lambda i: inject_on_candidates(*x.later_args(i, candidates), blocks=blocks),
+                                    list(range(1, DRAFT_LAYERS))), inner=SWEEP_INNER, reps=SWEEP_REPS)
+            except Exception as exc:  # noqa: BLE001
+                record_error(f"sweep {stage} {shape} bs={x.bs} {over}", exc)
+                continue
+            DETAILS["sweep"].append({"stage": stage, "shape": shape, "bs": x.bs, "override": over, "ms": ms,
+                                     "h_rel_err": err})
+            log(f"  sweep {stage} {str(over):<36} {ms:8.4f} ms  rel err {err:.2e}")
+            if err < 2e-2 and ms < best_ms:
+                best, best_ms = blocks, ms
     DETAILS["best_blocks"][f"{shape}/bs{x.bs}"] = dataclasses.asdict(best)
     save()
     return best
@@ -470,6 +533,12 @@ def injection_cases(shape_name: str, shape: dict, bs: int, blocks: InjectionBloc
     check.update(shape=shape_name, bs=bs, ok=features_ok(check) and check["h_rel_err"] < 2e-2)
     DETAILS["correctness"].append(check)
     log(f"  correctness {shape_name} bs={bs}: {check}")
+    found = x.candidates(blocks)
+    later = {"kernel": "inject_on_candidates", "shape": shape_name, "bs": bs,
+             "h_rel_err": later_rel_err(x, found, blocks)}
+    later["ok"] = later["h_rel_err"] < 2e-2
+    DETAILS["correctness"].append(later)
+    log(f"  correctness {shape_name} bs={bs}: {later}")
     save()
 
     def layers(fn, count):  # `count` layers, each with its own weights, chained through h
@@ -523,11 +592,21 @@ def injection_cases(shape_name: str, shape: dict, bs: int, blocks: InjectionBloc
             DRAFT_LAYERS * injection_bytes(x.hidden, x.vocab, bs, "gate"))
 
     # injection_candidates = "first_layer": one vocabulary scan (layer 1), later layers re-weight its top-k.
+    def later_one(fn):  # one later layer per call on layer 1's candidates, cycling through layers 2..
+        return cycle(lambda i: fn(*x.later_args(i, found)), list(range(1, DRAFT_LAYERS)))
+
+    def fused_later(*args):
+        return inject_on_candidates(*args, blocks=blocks)
+
+    later_bytes = injection_bytes(x.hidden, x.vocab, bs, "later")
+    measure("injection_later_layer", shape_name, bs, later_one(fused_later), later_one(inject_on_candidates_reference),
+            inner, later_bytes, (inject_on_candidates_reference, f"later/{shape_name}/{bs}", later_one))
+
     def first_layer_chain(first, later):
         def run():
             h, candidates = first(*x.args(0))
             for i in range(1, DRAFT_LAYERS):
-                h = later(candidates, *x.args(i, h))
+                h = later(*x.later_args(i, candidates, h))
             return h
         return run
 
@@ -539,18 +618,9 @@ def injection_cases(shape_name: str, shape: dict, bs: int, blocks: InjectionBloc
         out, scores = adjacent_injection_reference(*args)
         return out, scores[:, :-1].topk(TOP_K, dim=-1).indices
 
-    def later_layer(features, gate):
-        def run(candidates, h, score_weight, table, anchor_ids, gate_weight, gate_bias, out_weight, _top_k):
-            t = features(h, score_weight, table, anchor_ids, candidates)
-            return gate(h, t, gate_weight, gate_bias, out_weight)
-        return run
-
-    measure("injection_5layers_first_layer", shape_name, bs,
-            first_layer_chain(fused_first, later_layer(candidate_features,
-                                                       lambda *a: inject_features(*a, blocks=blocks))),
-            first_layer_chain(eager_first, later_layer(transfer_features_on_candidates, inject_features_reference)),
-            inner5,
-            layer_bytes + (DRAFT_LAYERS - 1) * injection_bytes(x.hidden, x.vocab, bs, "gate"))
+    measure("injection_5layers_first_layer", shape_name, bs, first_layer_chain(fused_first, fused_later),
+            first_layer_chain(eager_first, inject_on_candidates_reference), inner5,
+            layer_bytes + (DRAFT_LAYERS - 1) * later_bytes)
 
 
 def selection_cases(shape_name: str, shape: dict, bs: int) -> None:
