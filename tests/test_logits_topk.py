@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 from dspine.kernels import logits_topk as topk_module  # noqa: E402
 from dspine.kernels.logits_topk import logits_topk, logits_topk_reference, topk_grid  # noqa: E402
 from dspine.kernels.topk_keys import ordered_keys_reference  # noqa: E402
+from dspine.transition import TransitionScorer, select_tokens  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
@@ -178,6 +179,35 @@ def test_launch_grid_covers_the_row_with_whole_tiles():
         block_v = knobs.get("block_v", 1024)
         assert chunk % block_v == 0 and (splits - 1) * chunk < vocab <= splits * chunk
         assert tiles == -(-rows // knobs.get("block_m", 1))
+
+
+@interpreted
+def test_select_tokens_uses_the_kernel_and_equals_the_torch_path(monkeypatch):
+    """select_tokens on its Triton path (forced, interpreter) takes its candidates from logits_topk
+    and returns the torch path's Selection (candidates, tokens, choices and q) on tie-free logits."""
+    g = torch.Generator().manual_seed(11)
+    bs, n, vocab, rank, k = 3, 15, 2500, 16, 8
+    table = torch.randn(vocab, rank, generator=g)
+    scorer = TransitionScorer(rank)
+    with torch.no_grad():
+        scorer.weight.normal_(std=0.3, generator=g)
+    anchors = torch.randint(0, vocab, (bs,), generator=g)
+    temperature = torch.tensor([0.0, 0.8, 1.2])
+    calls = []
+    real = topk_module.logits_topk
+    monkeypatch.setattr(topk_module, "logits_topk", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = _distinct(bs * n, vocab, dtype, seed=3, span=16).view(bs, n, vocab)  # tie-free: torch.topk orders ties its own way
+        picks = {}
+        for mode in ("torch", "triton"):
+            monkeypatch.setenv("DSPINE_KERNELS", mode)
+            picks[mode] = select_tokens(logits, anchors, temperature, mode="transition", top_k=k, lam=1.0,
+                                        scorer=scorer, table=table, generator=torch.Generator().manual_seed(5))
+        want, got = picks["torch"], picks["triton"]
+        assert torch.equal(got.cand_ids, want.cand_ids) and torch.equal(got.tokens, want.tokens)
+        assert torch.equal(got.choice, want.choice)
+        torch.testing.assert_close(got.q, want.q, rtol=0, atol=1e-6)
+    assert calls == [(bs, n, vocab)] * 2
 
 
 # ------------------------------------------------------------------------------ GPU, full shapes
