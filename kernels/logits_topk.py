@@ -200,13 +200,13 @@ _TICKETS: dict[torch.device, list[Tensor]] = {}
 def _tickets(device: torch.device, count: int) -> Tensor | None:
     """A zeroed int32 counter buffer of >= count entries on `device`; None when one would have to be
     allocated during CUDA-graph capture (the capture would own its memory and its zeroing)."""
-    bufs = _TICKETS.setdefault(device, [])
+    bufs = _TICKETS.get(device)
     if bufs and bufs[-1].numel() >= count:
         return bufs[-1]
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
-    bufs.append(torch.zeros(max(count, 1 << 14), dtype=torch.int32, device=device))
-    return bufs[-1]
+    _TICKETS.setdefault(device, []).append(torch.zeros(max(count, 1 << 14), dtype=torch.int32, device=device))
+    return _TICKETS[device][-1]
 
 
 def topk_grid(rows: int, vocab: int, device: torch.device, *, slices: int | None = None, block_m: int = 1,

@@ -42,8 +42,8 @@ def _distinct(m: int, v: int, dtype: torch.dtype, seed: int = 0, device="cpu",
         pool = bits[keep]                                        # one zero
         pool = pool[torch.randperm(pool.numel(), generator=g)[:v]]
     assert pool.numel() == v and pool.float().unique().numel() == v
-    rows = torch.stack([pool[torch.randperm(v, generator=g)] for _ in range(m)])
-    return rows.to(device=device, dtype=dtype)
+    order = torch.rand(m, v, generator=torch.Generator(device).manual_seed(seed), device=device).argsort(-1)
+    return pool.to(device)[order]                                # [m, v]: a permutation of the pool per row
 
 
 def _run(logits: torch.Tensor, k: int, **knobs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +197,8 @@ def test_select_tokens_uses_the_kernel_and_equals_the_torch_path(monkeypatch):
     real = topk_module.logits_topk
     monkeypatch.setattr(topk_module, "logits_topk", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
     for dtype in (torch.float32, torch.bfloat16):
-        logits = _distinct(bs * n, vocab, dtype, seed=3, span=16).view(bs, n, vocab)  # tie-free: torch.topk orders ties its own way
+        # tie-free: at a tie torch.topk orders the candidates its own way
+        logits = _distinct(bs * n, vocab, dtype, seed=3, span=16).view(bs, n, vocab)
         picks = {}
         for mode in ("torch", "triton"):
             monkeypatch.setenv("DSPINE_KERNELS", mode)
@@ -229,22 +230,31 @@ def test_logits_topk_gpu(bs, k):
 @gpu
 @pytest.mark.parametrize("bs", [1, 32])
 def test_logits_topk_gpu_tie_free_and_ties(bs):
-    logits = _distinct(bs * 15, 151936, torch.bfloat16, seed=bs, device="cuda") if bs == 1 else \
-        torch.randint(-4, 4, (bs * 15, 151936), device="cuda").to(torch.bfloat16)
-    _, indices = _check(logits, 8)
-    assert torch.equal(indices, _stable_sort_topk(logits, 8))
+    """Full rows without a tie (fp32: bf16 has fewer than 151,936 finite values) and full rows of
+    eight values (bf16: every top-k slot a tie), against the reference and a stable sort."""
+    tie_free = _distinct(bs * 15, 151936, torch.float32, seed=bs, device="cuda")
+    ties = torch.randint(-4, 4, (bs * 15, 151936), device="cuda").to(torch.bfloat16)
+    for logits in (tie_free, ties):
+        for knobs in ({}, {"merge": "kernel"}):
+            _, indices = _check(logits, 8, **knobs)
+            assert torch.equal(indices, _stable_sort_topk(logits, 8))
 
 
 @pytest.mark.gpu
 @gpu
-def test_logits_topk_gpu_cuda_graph():
-    """Captured once (after an eager call made the ticket buffer), replayed on new logits."""
+@pytest.mark.parametrize("eager_first", [True, False])
+def test_logits_topk_gpu_cuda_graph(eager_first, monkeypatch):
+    """Captured once, replayed on new logits: after an eager call made the ticket buffer (one-launch
+    merge in the graph), and with no buffer yet (the capture falls back to the merge kernel)."""
+    monkeypatch.setattr(topk_module, "_TICKETS", {})              # the old buffers stay alive (restored after)
     logits = torch.randn(8, 15, 151936, device="cuda").to(torch.bfloat16)
     out = (torch.empty(8, 15, 8, device="cuda"), torch.empty(8, 15, 8, dtype=torch.int64, device="cuda"))
-    logits_topk(logits, 8, out=out)
+    if eager_first:
+        logits_topk(logits, 8, out=out)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         logits_topk(logits, 8, out=out)
+    assert bool(topk_module._TICKETS) == eager_first                # nothing allocated inside the capture
     for seed in range(3):
         logits.copy_(torch.randn(8, 15, 151936, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
         graph.replay()
