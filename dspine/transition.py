@@ -96,18 +96,25 @@ def select_tokens(logits: Tensor, anchor_ids: Tensor, temperature: Tensor, *, mo
     """logits: [bs, N, V] draft logits of the N proposal slots; anchor_ids: [bs]; temperature: [bs].
 
     `mode="argmax"`: independent argmax per slot. `mode="transition"`: lattice walk; at λ=0 it
-    equals independent argmax for greedy rows.
+    equals independent argmax for greedy rows. The K candidates of a slot come in descending logit
+    order; on the Triton path (`dispatch.use_triton`) from `kernels.logits_topk`, which breaks an
+    exact tie by the lower token id (torch.topk leaves that order open).
     """
     if mode == "argmax":
         return Selection(tokens=logits.argmax(-1))
     bs, n, _ = logits.shape
-    unary, cand = logits.topk(top_k, dim=-1)                                   # [bs, N, K]
-    unary = unary.float()  # after the top-k: no fp32 copy of [bs, N, V] (the cast is exact and monotone)
+    triton = dispatch.use_triton(logits)
+    if triton:  # one split-V launch, values already fp32 and sorted; exact ties to the lower index
+        from dspine.kernels.logits_topk import logits_topk
+        unary, cand = logits_topk(logits, top_k)                               # [bs, N, K]
+    else:
+        unary, cand = logits.topk(top_k, dim=-1)                               # [bs, N, K]
+        unary = unary.float()  # after the top-k: no fp32 copy of [bs, N, V] (the cast is exact and monotone)
     prev = torch.cat([anchor_ids[:, None, None].expand(bs, 1, top_k), cand[:, :-1]], dim=1)
     pair_fn = successors.pair if successors is not None else _on_the_fly
     pair = pair_fn(scorer, table, prev, cand)                                   # [bs, N, K, K]
     uniforms = torch.rand(bs, n, generator=generator, device=logits.device)
-    if dispatch.use_triton(logits):
+    if triton:
         from dspine.kernels.transition_select import transition_path
         choice, q = transition_path(unary, pair, lam, temperature, uniforms)
     else:

@@ -11,8 +11,9 @@ Fused path (`adjacent_injection`), three launches after the small q = h W_sᵀ G
    query rows q [BLOCK_M, r] and streams its chunk of U in [BLOCK_V, r] tiles: scores
    [BLOCK_M, BLOCK_V] = q·Uᵀ (bf16 MMA, fp32 accumulate) feed a running top-k per row kept in
    registers, never in memory. A score and its vocabulary index are packed into one int64 key
-   (order-preserving float bits high, index low), so one max-reduction yields value and argmax,
-   and all keys of a row are distinct. Insertion: while some row's best remaining tile key beats
+   (order-preserving float bits high, index low; kernels/topk_keys.py, shared with the logits
+   top-k), so one max-reduction yields value and argmax, all keys of a row are distinct, and an
+   exact tie goes to the lower index. Insertion: while some row's best remaining tile key beats
    that row's current k-th key, replace the k-th by it (at most k rounds, usually 1-3 after the
    first tiles). Only rows that need scores are scored: positions 1..B-2 (the anchor's feature
    is U[anchor]; the last position has no successor). Output: [chunks, M, KP] int64 partials.
@@ -73,14 +74,23 @@ host sync: CUDA-graph capturable.
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from dspine.kernels.lazy_jit import LazyJit
+from dspine.kernels.topk_keys import (
+    _cdiv,
+    _empty_top,
+    _insert_rows,
+    _interpret,
+    _multiprocessors,
+    _next_pow2,
+    _pack_keys,
+    _unpack_keys,
+)
+from dspine.kernels.topk_keys import _kernels as _topk_kernels
 
 
 def transfer_features_reference(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids: Tensor,
@@ -145,51 +155,9 @@ def adjacent_injection_reference(h: Tensor, score_weight: Tensor, table: Tensor,
 
 
 # ------------------------------------------------------------------------------------------ Triton
-# Handed to triton.jit at the first launch (kernels/lazy_jit.py).
-_kernels = LazyJit(globals())
-
-
-# Packed keys: (order-preserving int32 of the fp32 score) << 32 | vocabulary index. Real keys lie
-# above -2^63 + 2^54 (the most negative float), so the kernels use three literal sentinels:
-# -(2^63 - 1) for masked entries, -(2^63 - 2) + slot for the running top-k's empty slots (distinct,
-# below any real key) and 2^63 - 1 for the padding slots >= k (never the minimum, never replaced).
-@_kernels.jit
-def _pack_keys(b_s, b_idx):
-    b_bits = b_s.to(tl.int32, bitcast=True)
-    b_ord = tl.where(b_bits < 0, b_bits ^ 0x7FFFFFFF, b_bits)
-    return (b_ord.to(tl.int64) << 32) | b_idx.to(tl.int64)
-
-
-@_kernels.jit
-def _unpack_keys(b_key):
-    b_hi = b_key >> 32
-    b_ord = b_hi.to(tl.int32)
-    b_bits = tl.where(b_ord < 0, b_ord ^ 0x7FFFFFFF, b_ord)
-    return b_bits.to(tl.float32, bitcast=True), (b_key - (b_hi << 32)).to(tl.int32)
-
-
-@_kernels.jit
-def _insert_round(b_top, b_key, b_min, b_max):
-    """Rows whose best remaining candidate beats their k-th key swap it in; it leaves the tile."""
-    b_ins = b_max > b_min
-    b_top = tl.where((b_top == b_min[:, None]) & b_ins[:, None], b_max[:, None], b_top)
-    b_key = tl.where(b_key == b_max[:, None], -9223372036854775807, b_key)
-    return b_top, b_key, tl.min(b_top, axis=1), tl.max(b_key, axis=1)
-
-
-@_kernels.jit
-def _insert_rows(b_top, b_key, EARLY_EXIT: tl.constexpr, K: tl.constexpr):
-    """Merge candidate keys b_key [R, C] into the running top-k b_top [R, KP], row by row: at most
-    K rounds (EARLY_EXIT: only while some row still has a candidate above its k-th key)."""
-    b_min = tl.min(b_top, axis=1)                                  # [R] current k-th key
-    b_max = tl.max(b_key, axis=1)                                  # [R] best remaining candidate
-    if EARLY_EXIT:
-        while tl.max((b_max > b_min).to(tl.int32), axis=0) > 0:
-            b_top, b_key, b_min, b_max = _insert_round(b_top, b_key, b_min, b_max)
-    else:
-        for _ in tl.static_range(K):
-            b_top, b_key, b_min, b_max = _insert_round(b_top, b_key, b_min, b_max)
-    return b_top
+# Handed to triton.jit at the first launch (kernels/lazy_jit.py); the packed-key helpers
+# (_pack_keys, _unpack_keys, _insert_rows, _empty_top) are kernels/topk_keys.py's.
+_kernels = LazyJit(globals(), uses=(_topk_kernels,))
 
 
 @_kernels.jit
@@ -222,13 +190,6 @@ def _softmax_mix(b_s, b_u):
     b_w = tl.exp(b_s - tl.max(b_s, axis=0))
     b_w = b_w / tl.sum(b_w, axis=0)
     return tl.sum(b_w[:, None] * b_u, axis=0)
-
-
-@_kernels.jit
-def _empty_top(BLOCK_M: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
-    o_k = tl.arange(0, KP)
-    b_top = tl.where(o_k < K, -9223372036854775806 + o_k.to(tl.int64), 9223372036854775807)  # [KP]
-    return tl.zeros([BLOCK_M, KP], dtype=tl.int64) + b_top[None, :]
 
 
 @_kernels.jit
@@ -557,21 +518,6 @@ class InjectionBlocks:
     mix_warps: int = 8
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: few programs keep the CPU tests quick
-
-
 def blocks_for(n: int, block_size: int) -> InjectionBlocks:
     """Default launch configuration for n blocks of `block_size` positions."""
     rows, gate_rows = n * (block_size - 2), n * block_size
@@ -588,10 +534,6 @@ def blocks_for(n: int, block_size: int) -> InjectionBlocks:
 
 def _precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None  # fp32 tests compare exactly: no tf32
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def transfer_features(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids: Tensor, top_k: int,

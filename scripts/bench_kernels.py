@@ -2,12 +2,14 @@
 
 Measures, at Qwen3-8B and SmolLM2-135M shapes and bs 1/8/32: the fused adjacent injection (one
 layer, five layers, and variants that drop a stage; with injection_candidates "first_layer", one
-later layer and the five-layer chain), the transition-path kernel and the whole
-`select_tokens`, each against the eager PyTorch reference and `torch.compile` of it (CUDA-graph
-replays, median of >= 50); a full draft round (`DSpineProposer.propose`, context 1024) of DSpine
-vs the ablation (no injection, argmax selection); and a 16-token verify of a target of the same
-shape (lean Llama-style layers + SDPA, a lower bound) for the verify-inclusive ratio. Achieved
-GB/s are against the fewest bytes each case must move, next to a measured device copy.
+later layer and the five-layer chain), the transition-path kernel, the top-k of the draft logits
+(`kernels.logits_topk` vs torch.topk; its knobs swept) and the whole `select_tokens` (whose Triton
+path takes its candidates from that top-k), each against the eager PyTorch reference and
+`torch.compile` of it (CUDA-graph replays, median of >= 50); a full draft round
+(`DSpineProposer.propose`, context 1024) of DSpine vs the ablation (no injection, argmax
+selection); and a 16-token verify of a target of the same shape (lean Llama-style layers + SDPA, a
+lower bound) for the verify-inclusive ratio. Achieved GB/s are against the fewest bytes each case
+must move, next to a measured device copy.
 
 GPU host:  PYTHONPATH=. python scripts/bench_kernels.py --out-dir $OUT    (< 5 min on an H200)
 CPU check: python scripts/bench_kernels.py --cpu-smoke                     (tiny shapes, interpreter)
@@ -92,6 +94,7 @@ from dspine.kernels.adjacent_injection import (  # noqa: E402
     transfer_features,
     transfer_features_reference,
 )
+from dspine.kernels.logits_topk import logits_topk, logits_topk_reference, topk_grid  # noqa: E402
 from dspine.kernels.transition_select import transition_path, transition_path_reference  # noqa: E402
 from dspine.proposer import DSpineProposer  # noqa: E402
 from dspine.transition import TransitionScorer, select_tokens  # noqa: E402
@@ -134,6 +137,12 @@ LATER_HIDDEN_VARIANTS = [{}, {"hidden_split": 2}, {"hidden_split": 4, "hidden_bl
 LATER_HIDDEN_VARIANTS_LARGE = [{}, {"hidden_split": 2}, {"hidden_block_k": 256, "hidden_stages": 3}]
 LATER_MIX_VARIANTS = [{}, {"mix_warps": 4}, {"mix_block_n": 64}, {"mix_block_n": 16}, {"mix_tiles_n": 2}]
 LATER_MIX_VARIANTS_LARGE = [{}, {"mix_tiles_n": 8}, {"mix_block_n": 32, "mix_tiles_n": 8}, {"mix_tiles_n": 1}]
+# Knob variants of the logits top-k (keyword overrides of `logits_topk`'s defaults: programs_per_sm 4,
+# block_v 1024, warps 4, block_m 1, merge "ticket"). programs_per_sm and slices set the slices per row
+# (the default is ceil(programs_per_sm * SMs / rows)); merge "kernel" is the two-launch merge.
+LOGITS_TOPK_VARIANTS = [{}, {"programs_per_sm": 2}, {"programs_per_sm": 8}, {"programs_per_sm": 16},
+                        {"block_v": 2048, "warps": 8}, {"block_v": 512}, {"block_v": 4096, "warps": 8},
+                        {"warps": 8}, {"merge": "kernel"}, {"block_m": 2, "block_v": 512}, {"slices": 1}]
 
 SMOKE = ARGS.cpu_smoke
 DEVICE = torch.device("cpu" if SMOKE else "cuda")
@@ -148,11 +157,13 @@ if SMOKE:
     LATER_HIDDEN_VARIANTS = [{}, {"hidden_split": 2, "hidden_block_k": 32}]
     LATER_MIX_VARIANTS = [{}, {"mix_tiles_n": 2}]
     LATER_HIDDEN_VARIANTS_LARGE, LATER_MIX_VARIANTS_LARGE = [{}], [{}]
+    LOGITS_TOPK_VARIANTS = [{}, {"block_v": 128, "slices": 4}, {"block_v": 128, "slices": 4, "merge": "kernel"}]
 elif ARGS.quick:
     TOPK_VARIANTS, TOPK_VARIANTS_LARGE, GATE_VARIANTS = TOPK_VARIANTS[:4], TOPK_VARIANTS_LARGE[:3], GATE_VARIANTS[:2]
     LATER_HIDDEN_VARIANTS, LATER_MIX_VARIANTS = LATER_HIDDEN_VARIANTS[:3], LATER_MIX_VARIANTS[:2]
     LATER_HIDDEN_VARIANTS_LARGE = LATER_HIDDEN_VARIANTS_LARGE[:2]
     LATER_MIX_VARIANTS_LARGE = LATER_MIX_VARIANTS_LARGE[:2]
+    LOGITS_TOPK_VARIANTS = LOGITS_TOPK_VARIANTS[:6] + [{"merge": "kernel"}]
 OUT_DIR = ARGS.out_dir or (Path("/tmp/dspine_bench_smoke") if SMOKE else ROOT / "benchmarks" / "results")
 GB = 1e9
 
@@ -358,6 +369,12 @@ def eager_features(h, score_weight, table, anchor_ids, top_k):
     return transfer_features_reference(h, score_weight, table, anchor_ids, top_k)[0]
 
 
+def eager_logits_topk(logits):
+    """What select_tokens' PyTorch path runs: torch.topk of the logits, values cast to fp32."""
+    values, indices = logits.topk(TOP_K, dim=-1)
+    return values.float(), indices
+
+
 COMPILED: dict = {}
 PENDING: list = []  # torch.compile baselines, run after everything else, most important first
 
@@ -517,6 +534,34 @@ def sweep_blocks(x: InjectionInputs, shape: str) -> InjectionBlocks:
     return best
 
 
+def sweep_logits_topk(logits: torch.Tensor, shape: str, bs: int) -> dict:
+    """Time the `logits_topk` knob variants on logits [rows, V]; keep the fastest exact one (the
+    kernel and its reference share the tie rule, so indices must match exactly). Returns its overrides."""
+    want_val, want_idx = logits_topk_reference(logits, TOP_K)
+    rows, vocab = logits.shape
+    best, best_ms = {}, float("inf")
+    for over in LOGITS_TOPK_VARIANTS:
+        if remaining() < 90 and over:
+            break
+        try:
+            values, indices = logits_topk(logits, TOP_K, **over)
+            ok = bool(torch.equal(indices, want_idx)) and bool(torch.equal(values, want_val))
+            ms = bench_ms(lambda over=over: logits_topk(logits, TOP_K, **over), inner=SWEEP_INNER, reps=SWEEP_REPS)
+        except Exception as exc:  # noqa: BLE001
+            record_error(f"sweep logits_topk {shape} bs={bs} {over}", exc)
+            continue
+        grid = {key: over[key] for key in ("slices", "block_m", "block_v", "programs_per_sm") if key in over}
+        tiles, slices, _ = topk_grid(rows, vocab, DEVICE, **grid)
+        DETAILS["sweep"].append({"stage": "logits_topk", "shape": shape, "bs": bs, "override": over, "ms": ms,
+                                 "ok": ok, "row_tiles": tiles, "slices": slices})
+        log(f"  sweep logits_topk {over!s:<36} {ms:8.4f} ms  {tiles}x{slices} programs  exact {ok}")
+        if ok and ms < best_ms:
+            best, best_ms = over, ms
+    DETAILS["best_blocks"][f"logits_topk/{shape}/bs{bs}"] = {"override": best, "ms": best_ms}
+    save()
+    return best
+
+
 # --------------------------------------------------------------------------- kernel sections
 def injection_cases(shape_name: str, shape: dict, bs: int, blocks: InjectionBlocks | None) -> None:
     x = InjectionInputs(shape, bs, seed=bs)
@@ -642,8 +687,21 @@ def selection_cases(shape_name: str, shape: dict, bs: int) -> None:
             lambda: transition_path_reference(*args), inner, nbytes,
             (transition_path_reference, f"path/{shape_name}/{bs}", lambda f: lambda: f(*args)))
 
-    # The whole selection of a round: top-K of the draft logits, pair scores, path.
+    # The top-K of the draft logits alone (select_tokens' first step): default knobs, then the sweep.
     logits = torch.randn(bs, n, vocab, generator=g, device=DEVICE).to(DTYPE)
+    flat = logits.view(bs * n, vocab)
+    values, indices = logits_topk(flat, k)
+    want_val, want_idx = logits_topk_reference(flat, k)
+    DETAILS["correctness"].append({"kernel": "logits_topk", "shape": shape_name, "bs": bs,
+                                   "ok": bool(torch.equal(indices, want_idx)) and bool(torch.equal(values, want_val)),
+                                   "rows_differ": int((indices != want_idx).any(-1).sum())})
+    topk_bytes = flat.numel() * flat.element_size() + flat.shape[0] * k * 12
+    measure("logits_topk", shape_name, bs, lambda: logits_topk(flat, k), lambda: eager_logits_topk(flat), inner,
+            topk_bytes, (eager_logits_topk, f"logits_topk/{shape_name}/{bs}", lambda f: lambda: f(flat)))
+    sweep_logits_topk(flat, shape_name, bs)
+
+    # The whole selection of a round: top-K of the draft logits (Triton path: `logits_topk` with its
+    # default knobs), pair scores, path.
     table = torch.randn(vocab, RANK, generator=g, device=DEVICE).to(DTYPE)
     scorer = TransitionScorer(RANK).to(device=DEVICE, dtype=DTYPE)
     with torch.no_grad():

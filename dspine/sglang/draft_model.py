@@ -224,10 +224,16 @@ def global_topk(hidden: Tensor, head_weight: Tensor, k: int, *, num_org: int, or
                 tp_size: int = 1, all_gather: Callable[[Tensor, int], Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Top-k draft candidates through the target head: hidden [M, H] -> (global ids [M, k] int64,
     logits [M, k] fp32). TP: local top-k per vocab shard, all-gather k values/ids per rank (not the
-    vocabulary), then a global top-k: the same candidates as a full-vocabulary top-k."""
+    vocabulary), then a global top-k: the same candidates as a full-vocabulary top-k. The local top-k
+    is `kernels.logits_topk` on the Triton path (one launch, exact ties to the lower id)."""
     logits = hidden.to(head_weight.dtype) @ head_weight[:num_org].T
-    vals, ids = logits.topk(k, dim=-1)  # in the head's dtype: no fp32 copy of [M, V]
-    vals, ids = vals.float(), ids + org_start
+    if dispatch.use_triton(logits):
+        from dspine.kernels.logits_topk import logits_topk
+        vals, ids = logits_topk(logits, k)  # fp32 values, sorted descending
+    else:
+        vals, ids = logits.topk(k, dim=-1)  # in the head's dtype: no fp32 copy of [M, V]
+        vals = vals.float()
+    ids = ids + org_start
     if tp_size == 1:
         return ids, vals
     all_vals, all_ids = all_gather(vals.contiguous(), -1), all_gather(ids.contiguous(), -1)  # [M, tp*k]

@@ -485,6 +485,53 @@ def test_tp_sharded_head_gives_the_full_table_and_the_global_top_k(sglang_env, a
     torch.testing.assert_close(vals, want_vals, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_global_topk_on_the_triton_path_equals_the_torch_path(sglang_env, monkeypatch, tp):
+    """`global_topk` with its local top-k on `kernels.logits_topk` (what CUDA runs; here the Triton
+    interpreter, forced): the same global ids and values as the torch path and a full-vocabulary
+    top-k, unsharded and from SGLang's vocab shards (TP=2 simulated, padding rows NaN)."""
+    import os
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py)")
+    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding, pad_vocab_size
+
+    import dspine.kernels.logits_topk as topk_module
+    from dspine.sglang.draft_model import global_topk
+
+    vocab, k = 250, 6
+    g = torch.Generator().manual_seed(8)
+    full_w, hidden = torch.randn(vocab, H, generator=g), torch.randn(9, H, generator=g)
+    padded = pad_vocab_size(vocab)
+    shards = [VocabParallelEmbedding._get_indices(padded, padded, vocab, vocab, rank, tp) for rank in range(tp)]
+    local_w = []
+    for s in shards:
+        w = torch.full((s.num_org_elements_padded, H), float("nan"))
+        w[: s.num_org_elements] = full_w[s.org_vocab_start_index: s.org_vocab_end_index]
+        local_w.append(w)
+    calls = []
+    real = topk_module.logits_topk
+    monkeypatch.setattr(topk_module, "logits_topk", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    found = {}
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("DSPINE_KERNELS", mode)
+        per_rank = [global_topk(hidden, w, k, num_org=s.num_org_elements, org_start=s.org_vocab_start_index)
+                    for w, s in zip(local_w, shards)]
+        vals_by_rank, ids_by_rank = [v for _, v in per_rank], [i for i, _ in per_rank]
+
+        def gather_pairs(tensor, dim, vals_by_rank=vals_by_rank, ids_by_rank=ids_by_rank):
+            return torch.cat(vals_by_rank if tensor.dtype.is_floating_point else ids_by_rank, dim)
+
+        found[mode] = global_topk(hidden, local_w[0], k, num_org=shards[0].num_org_elements,
+                                  org_start=shards[0].org_vocab_start_index, tp_size=tp, all_gather=gather_pairs)
+    assert len(calls) == tp + 1  # every local top-k of the triton pass (rank 0 twice)
+    want_vals, want_ids = (hidden @ full_w.T).topk(k, dim=-1)
+    for ids, vals in found.values():
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(vals, want_vals, rtol=1e-6, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------- token choice
 def reference_tokens(ref, hidden_blocks, anchors, temperature, generator=None):
     logits = ref.logits(hidden_blocks[:, 1:])
