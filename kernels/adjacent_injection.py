@@ -524,12 +524,13 @@ def blocks_for(n: int, block_size: int) -> InjectionBlocks:
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     gate_block_m = 16 if gate_rows <= 16 else 32 if gate_rows <= 32 else 64
     gate_block_n = 32 if gate_rows <= 64 else 64
-    # A later layer's pass over h is the gate's GEMM plus W_s's rows: the gate's tiles. Its second
-    # kernel keeps 16-row tiles (a [16, k, r] gather of candidate rows) and, from 64 rows on, wider
-    # H spans per program so that fewer programs recompute the same features.
+    # A later layer's pass over h is the gate's GEMM plus W_s's rows: the gate's tiles, each dot split
+    # in two (hidden_split 2: 0.0188 vs 0.0213 ms at bs 1, 0.0428 vs 0.0435 at bs 8, Qwen3-8B shapes on
+    # the H200, kernels_h200_details.json). Its second kernel keeps 16-row tiles (a [16, k, r] gather of
+    # candidate rows), one H-tile per program (wider spans were slower at bs 8: 0.0428 vs 0.0399 ms).
     return InjectionBlocks(block_m=block_m, gate_block_m=gate_block_m, gate_block_n=gate_block_n,
-                           hidden_block_m=gate_block_m, hidden_block_n=gate_block_n,
-                           mix_block_n=32 if gate_rows <= 64 else 64, mix_tiles_n=1 if gate_rows <= 64 else 4)
+                           hidden_block_m=gate_block_m, hidden_block_n=gate_block_n, hidden_split=2,
+                           mix_block_n=32 if gate_rows <= 64 else 64)
 
 
 def _precision(dtype: torch.dtype) -> str | None:
