@@ -27,6 +27,9 @@ leaves what was measured):
   order of an N-token verify against a 1-token decode flips such choices (shared/gpu/README.md:
   SGLang's own DFLASH does the same). `gap_histogram` counts the gaps; `--reclassify` recomputes
   the verdicts of a results file for another threshold from the stored gaps, without measuring.
+  `--ar-control C` measures that band instead of assuming it: the AR server answers the parity
+  prompts a second time with C in flight, and `parity_ar_control` judges those answers against its
+  serial ones exactly as the DSPINE server's (plain decoding against itself at another batch size).
 * Ceiling, from the non-streamed requests of the concurrency-1 level (one at a time, no logprobs):
   T_step = AR wall / AR completion tokens, T_round = DSPINE wall / DSPINE spec_verify_ct (client
   wall times, prefill and HTTP included on both sides), tau = DSPINE completion tokens /
@@ -256,6 +259,14 @@ def parity_pass(base: str, prompts: list[dict], args: argparse.Namespace, logpro
             for p in prompts]
 
 
+def control_pass(base: str, prompts: list[dict], args: argparse.Namespace, concurrency: int) -> list[Reply]:
+    """The parity prompts again on the AR server, `concurrency` in flight (token ids, no logprobs):
+    plain decoding against itself at another batch size, the server's own bf16 divergence band."""
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        return list(pool.map(lambda p: send_with_meta(base, chat_body(p, args), args.request_timeout, parity=True),
+                             prompts))
+
+
 # ---------------------------------------------------------------------------------------------
 # Parity and ceiling arithmetic
 # ---------------------------------------------------------------------------------------------
@@ -313,15 +324,18 @@ def summarize_parity(prompts: int, divergences: list[dict], near_tie_nats: float
     }
 
 
+PARITY_KEYS = ("parity", "parity_ablation", "parity_ar_control")
+
+
 def reclassify(results: dict, near_tie_nats: float) -> dict:
     """`results` with every parity block re-judged at `near_tie_nats` from its stored gaps (the
     measurement is unchanged; the threshold used before is kept as `measured_near_tie_nats`)."""
-    for key in ("parity", "parity_ablation"):
+    for key in PARITY_KEYS:
         block = results.get(key)
         if not block or "divergences" not in block:
             continue
         first = block.get("measured_near_tie_nats", block.get("near_tie_nats"))
-        results[key] = {**summarize_parity(block["prompts"], block["divergences"], near_tie_nats),
+        results[key] = {**block, **summarize_parity(block["prompts"], block["divergences"], near_tie_nats),
                         "measured_near_tie_nats": first}
     results.setdefault("settings", {})["near_tie_nats"] = near_tie_nats
     return results
@@ -518,6 +532,13 @@ def measure_config(name: str, base: str, prompts: list[dict], args: argparse.Nam
     t0 = time.perf_counter()
     replies = parity_pass(base, prompts[:args.prompts], args, logprobs=name == "AR")
     print(f"[{name}] parity pass: {len(replies)} prompts in {time.perf_counter() - t0:.1f} s", flush=True)
+    if name == "AR" and args.ar_control > 1:
+        control = control_pass(base, prompts[:args.prompts], args, args.ar_control)
+        results["parity_ar_control"] = {**parity_summary(replies, control, prompts[:args.prompts], args.near_tie_nats),
+                                        "concurrency": args.ar_control}
+        summary = results["parity_ar_control"]
+        print(f"[AR] control at concurrency {args.ar_control}: {summary['identical']} of {summary['prompts']} "
+              f"identical to the serial pass, gaps {summary['gap_histogram']}", flush=True)
     return replies, c1
 
 
@@ -569,6 +590,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
     p.add_argument("--waves", type=int, default=4,
                    help="each level sends at least waves x concurrency prompts (and at least --prompts)")
+    p.add_argument("--ar-control", type=int, default=0, metavar="C",
+                   help="after its parity pass, the AR server answers the parity prompts again with C in flight; "
+                        "`parity_ar_control` compares the two AR passes like a DSPINE one (plain decoding against "
+                        "itself at another batch size: the divergences and gaps bf16 alone produces on this server)")
     p.add_argument("--near-tie-nats", type=float, default=0.25,
                    help="largest AR top-2 logprob gap (nats) at which a divergence counts as a bf16 near-tie")
     p.add_argument("--request-timeout", type=float, default=300.0)
@@ -604,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
                              args.near_tie_nats)
         path = write_results(results, args.out_dir, args.results_name)
         print(json.dumps({k: {n: v for n, v in results[k].items() if n != "divergences"}
-                          for k in ("parity", "parity_ablation") if k in results}, indent=2))
+                          for k in PARITY_KEYS if k in results}, indent=2))
         print(f"wrote {path}")
         return 0
     configs = server_configs(args)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import threading
+import time
 
 import pytest
 from conftest import JsonHandler, load_script, start_server
@@ -54,6 +56,8 @@ class StubHandler(JsonHandler):
         if self.path != "/v1/chat/completions":
             return self.send_json({"error": "not found"}, 404)
         mode = self.server.mode
+        if mode == "ar-batch":  # plain decoding whose near-tie flips when another request is in flight
+            return self._batch_sensitive(body)
         if mode == "dspine" and body.get("logprobs"):  # the benchmark asks only the AR server for them
             return self.send_json({"error": "logprobs not expected on the speculative server"}, 400)
         prompt = body["messages"][-1]["content"]
@@ -63,6 +67,22 @@ class StubHandler(JsonHandler):
         if body.get("stream"):
             return self._stream(ids, body)
         self.send_json(self._complete(ids, top2, body, mode))
+
+    def _batch_sensitive(self, body) -> None:
+        server = self.server
+        with server.lock:
+            server.in_flight += 1
+        time.sleep(0.05)  # long enough for a concurrent pass's requests to overlap
+        with server.lock:
+            batched = server.in_flight > 1
+            server.in_flight -= 1
+        prompt = body["messages"][-1]["content"]
+        ids, top2 = stub_tokens(prompt, body.get("max_tokens") or 16, "dspine" if batched else "ar")
+        if prompt == OTHER_PROMPT:  # only the near-tie flips with the batch
+            ids, _ = stub_tokens(prompt, body.get("max_tokens") or 16, "ar")
+        if body.get("stream"):
+            return self._stream(ids, body)
+        self.send_json(self._complete(ids, top2, body, "ar"))
 
     @staticmethod
     def _tool_call() -> dict:
@@ -120,7 +140,7 @@ def stub_server():
 
     def start(mode: str) -> str:
         server = start_server(StubHandler)
-        server.mode = mode
+        server.mode, server.lock, server.in_flight = mode, threading.Lock(), 0
         servers.append(server)
         return server.url
 
@@ -189,6 +209,23 @@ def test_bench_serving_end_to_end(stub_server, prompts_dir, tmp_path):
     assert c["speedup"] == pytest.approx(c["accept_len"] * c["t_step_ms"] / c["t_round_ms"])
     assert c["achieved_fraction"] == pytest.approx(c["achieved_speedup"] / c["speedup"])
     assert (out / "serving_h200.png").is_file() or not importlib.util.find_spec("matplotlib")
+
+
+def test_ar_control_compares_the_ar_server_with_itself_at_another_batch_size(stub_server, prompts_dir, tmp_path):
+    """--ar-control 4: the AR server's near-tie flips only when requests overlap (the stub's
+    "ar-batch" mode), so the serial parity pass and the concurrent control disagree there alone."""
+    bench = load_script("bench_serving")
+    ar, dspine = stub_server("ar-batch"), stub_server("dspine")
+    out = tmp_path / "results"
+    assert bench.main(["--url", f"AR={ar}", "--url", f"DSPINE={dspine}", "--prompts", "12", "--max-tokens", "8",
+                       "--concurrency", "1", "--ar-control", "4", "--out-dir", str(out)]) == 0
+    control = json.loads((out / "serving_h200.json").read_text())["parity_ar_control"]
+    assert (control["prompts"], control["identical"], control["near_tie_divergences"],
+            control["other_divergences"], control["concurrency"]) == (12, 11, 1, 0, 4)
+    assert [(d["id"], d["position"]) for d in control["divergences"]] == [("gsm8k/0", 3)]
+    assert bench.main(["--reclassify", "--near-tie-nats", "0.01", "--out-dir", str(out)]) == 0
+    again = json.loads((out / "serving_h200.json").read_text())["parity_ar_control"]
+    assert (again["other_divergences"], again["concurrency"]) == (1, 4)
 
 
 def test_spec_flags_go_to_the_speculative_configs_only():
