@@ -469,66 +469,68 @@ def cycle(fn, items: list):
     return run
 
 
+def sweep_variants(stage: str, shape: str, bs: int, variants: list[dict], run) -> tuple[dict | None, float]:
+    """Time each override of `variants` with `run(over) -> (ms, ok, fields, note)` (the first, {},
+    always; the others while budget is left), record it in DETAILS["sweep"] (with `fields`) and log it.
+    Returns the fastest override with `ok` and its ms; (None, inf) when none was ok."""
+    best, best_ms = None, float("inf")
+    for over in variants:
+        if remaining() < 90 and over:
+            break
+        try:
+            ms, ok, fields, note = run(over)
+        except Exception as exc:  # noqa: BLE001
+            record_error(f"sweep {stage} {shape} bs={bs} {over}", exc)
+            continue
+        DETAILS["sweep"].append({"stage": stage, "shape": shape, "bs": bs, "override": over, "ms": ms, **fields})
+        log(f"  sweep {stage} {str(over):<42} {ms:8.4f} ms  {note}")
+        if ok and ms < best_ms:
+            best, best_ms = over, ms
+    return best, best_ms
+
+
 def sweep_blocks(x: InjectionInputs, shape: str) -> InjectionBlocks:
     """Time launch-config variants of the two stages on this input; keep the fastest correct ones."""
     base = blocks_for(x.bs, BLOCK)
     t_ref = _oracle_t(x)
-    variants = TOPK_VARIANTS if x.bs * (BLOCK - 2) <= 64 else TOPK_VARIANTS_LARGE
-    best_topk, best_ms = base, float("inf")
-    for over in variants:
-        if remaining() < 90 and over:
-            break
+
+    def topk(over):
         blocks = dataclasses.replace(base, **over)
-        try:
-            t = transfer_features(x.h, x.layers[0]["score_weight"], x.table, x.anchor_ids, TOP_K, blocks)
-            check = check_features(t, t_ref)
-            ms = bench_ms(cycle(lambda w: transfer_features(x.h, w["score_weight"], x.table, x.anchor_ids, TOP_K,
-                                                            blocks), x.layers), inner=SWEEP_INNER, reps=SWEEP_REPS)
-        except Exception as exc:  # noqa: BLE001
-            record_error(f"sweep topk {shape} bs={x.bs} {over}", exc)
-            continue
-        DETAILS["sweep"].append({"stage": "topk", "shape": shape, "bs": x.bs, "override": over, "ms": ms, **check})
-        log(f"  sweep topk {str(over):<42} {ms:8.4f} ms  bad rows {check['bad_rows']}/{check['rows']}")
-        if features_ok(check) and ms < best_ms:
-            best_topk, best_ms = blocks, ms
+        t = transfer_features(x.h, x.layers[0]["score_weight"], x.table, x.anchor_ids, TOP_K, blocks)
+        check = check_features(t, t_ref)
+        ms = bench_ms(cycle(lambda w: transfer_features(x.h, w["score_weight"], x.table, x.anchor_ids, TOP_K,
+                                                        blocks), x.layers), inner=SWEEP_INNER, reps=SWEEP_REPS)
+        return ms, features_ok(check), check, f"bad rows {check['bad_rows']}/{check['rows']}"
+
+    over, _ = sweep_variants("topk", shape, x.bs, TOPK_VARIANTS if x.bs * (BLOCK - 2) <= 64 else TOPK_VARIANTS_LARGE,
+                             topk)
+    best = best_topk = base if over is None else dataclasses.replace(base, **over)
     t = t_ref.contiguous()
-    best, best_ms = best_topk, float("inf")
-    for over in GATE_VARIANTS:
-        if remaining() < 90 and over:
-            break
+
+    def gate(over):
         blocks = dataclasses.replace(best_topk, **over)
-        try:
-            ms = bench_ms(cycle(lambda w: inject_features(x.h, t, w["gate_weight"], w["gate_bias"], w["out_weight"],
-                                                          blocks), x.layers), inner=SWEEP_INNER, reps=SWEEP_REPS)
-        except Exception as exc:  # noqa: BLE001
-            record_error(f"sweep gate {shape} bs={x.bs} {over}", exc)
-            continue
-        DETAILS["sweep"].append({"stage": "gate", "shape": shape, "bs": x.bs, "override": over, "ms": ms})
-        log(f"  sweep gate {str(over):<42} {ms:8.4f} ms")
-        if ms < best_ms:
-            best, best_ms = blocks, ms
+        ms = bench_ms(cycle(lambda w: inject_features(x.h, t, w["gate_weight"], w["gate_bias"], w["out_weight"],
+                                                      blocks), x.layers), inner=SWEEP_INNER, reps=SWEEP_REPS)
+        return ms, True, {}, ""
+
+    over, _ = sweep_variants("gate", shape, x.bs, GATE_VARIANTS, gate)
+    best = best if over is None else dataclasses.replace(best_topk, **over)
     # A later layer (inject_on_candidates): its pass over h, then its features-and-gate kernel.
     candidates = x.candidates(best)
     large = x.bs * (BLOCK - 2) > 64
     for stage, variants in (("later_hidden", LATER_HIDDEN_VARIANTS_LARGE if large else LATER_HIDDEN_VARIANTS),
                             ("later_mix", LATER_MIX_VARIANTS_LARGE if large else LATER_MIX_VARIANTS)):
-        start, best_ms = best, float("inf")
-        for over in variants:
-            if remaining() < 90 and over:
-                break
+        start = best
+
+        def later(over, start=start):
             blocks = dataclasses.replace(start, **over)
-            try:
-                err = later_rel_err(x, candidates, blocks)
-                ms = bench_ms(cycle(lambda i: inject_on_candidates(*x.later_args(i, candidates), blocks=blocks),
-                                    list(range(1, DRAFT_LAYERS))), inner=SWEEP_INNER, reps=SWEEP_REPS)
-            except Exception as exc:  # noqa: BLE001
-                record_error(f"sweep {stage} {shape} bs={x.bs} {over}", exc)
-                continue
-            DETAILS["sweep"].append({"stage": stage, "shape": shape, "bs": x.bs, "override": over, "ms": ms,
-                                     "h_rel_err": err})
-            log(f"  sweep {stage} {str(over):<36} {ms:8.4f} ms  rel err {err:.2e}")
-            if err < 2e-2 and ms < best_ms:
-                best, best_ms = blocks, ms
+            err = later_rel_err(x, candidates, blocks)
+            ms = bench_ms(cycle(lambda i: inject_on_candidates(*x.later_args(i, candidates), blocks=blocks),
+                                list(range(1, DRAFT_LAYERS))), inner=SWEEP_INNER, reps=SWEEP_REPS)
+            return ms, err < 2e-2, {"h_rel_err": err}, f"rel err {err:.2e}"
+
+        over, _ = sweep_variants(stage, shape, x.bs, variants, later)
+        best = best if over is None else dataclasses.replace(start, **over)
     DETAILS["best_blocks"][f"{shape}/bs{x.bs}"] = dataclasses.asdict(best)
     save()
     return best
@@ -539,24 +541,17 @@ def sweep_logits_topk(logits: torch.Tensor, shape: str, bs: int) -> dict:
     kernel and its reference share the tie rule, so indices must match exactly). Returns its overrides."""
     want_val, want_idx = logits_topk_reference(logits, TOP_K)
     rows, vocab = logits.shape
-    best, best_ms = {}, float("inf")
-    for over in LOGITS_TOPK_VARIANTS:
-        if remaining() < 90 and over:
-            break
-        try:
-            values, indices = logits_topk(logits, TOP_K, **over)
-            ok = bool(torch.equal(indices, want_idx)) and bool(torch.equal(values, want_val))
-            ms = bench_ms(lambda over=over: logits_topk(logits, TOP_K, **over), inner=SWEEP_INNER, reps=SWEEP_REPS)
-        except Exception as exc:  # noqa: BLE001
-            record_error(f"sweep logits_topk {shape} bs={bs} {over}", exc)
-            continue
+
+    def run(over):
+        values, indices = logits_topk(logits, TOP_K, **over)
+        ok = bool(torch.equal(indices, want_idx)) and bool(torch.equal(values, want_val))
+        ms = bench_ms(lambda: logits_topk(logits, TOP_K, **over), inner=SWEEP_INNER, reps=SWEEP_REPS)
         grid = {key: over[key] for key in ("slices", "block_m", "block_v", "programs_per_sm") if key in over}
         tiles, slices, _ = topk_grid(rows, vocab, DEVICE, **grid)
-        DETAILS["sweep"].append({"stage": "logits_topk", "shape": shape, "bs": bs, "override": over, "ms": ms,
-                                 "ok": ok, "row_tiles": tiles, "slices": slices})
-        log(f"  sweep logits_topk {over!s:<36} {ms:8.4f} ms  {tiles}x{slices} programs  exact {ok}")
-        if ok and ms < best_ms:
-            best, best_ms = over, ms
+        return ms, ok, {"ok": ok, "row_tiles": tiles, "slices": slices}, f"{tiles}x{slices} programs  exact {ok}"
+
+    best, best_ms = sweep_variants("logits_topk", shape, bs, LOGITS_TOPK_VARIANTS, run)
+    best = {} if best is None else best
     DETAILS["best_blocks"][f"logits_topk/{shape}/bs{bs}"] = {"override": best, "ms": best_ms}
     save()
     return best
