@@ -252,19 +252,15 @@ def accept_length(replies: list[Reply]) -> float:
     return sum(r.completion_tokens for r in spec) / sum(r.meta_info["spec_verify_ct"] for r in spec)
 
 
-def parity_pass(base: str, prompts: list[dict], args: argparse.Namespace, logprobs: bool) -> list[Reply]:
-    """Every prompt once, one at a time, with token ids and meta_info (top-2 logprobs: AR only, the
-    reference whose gap classifies a divergence; a spec server is not asked for logprobs)."""
-    return [send_with_meta(base, chat_body(p, args), args.request_timeout, parity=True, logprobs=logprobs)
-            for p in prompts]
-
-
-def control_pass(base: str, prompts: list[dict], args: argparse.Namespace, concurrency: int) -> list[Reply]:
-    """The parity prompts again on the AR server, `concurrency` in flight (token ids, no logprobs):
-    plain decoding against itself at another batch size, the server's own bf16 divergence band."""
+def parity_pass(base: str, prompts: list[dict], args: argparse.Namespace, logprobs: bool,
+                concurrency: int = 1) -> list[Reply]:
+    """Every prompt once with token ids and meta_info, `concurrency` in flight (1: one at a time);
+    top-2 logprobs on the AR server only, the reference whose gap classifies a divergence (a spec
+    server is not asked for them). The AR control (`--ar-control C`) is the AR server's pass again at
+    C in flight: plain decoding against itself at another batch size, the server's own bf16 band."""
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        return list(pool.map(lambda p: send_with_meta(base, chat_body(p, args), args.request_timeout, parity=True),
-                             prompts))
+        return list(pool.map(lambda p: send_with_meta(base, chat_body(p, args), args.request_timeout, parity=True,
+                                                      logprobs=logprobs), prompts))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -533,7 +529,7 @@ def measure_config(name: str, base: str, prompts: list[dict], args: argparse.Nam
     replies = parity_pass(base, prompts[:args.prompts], args, logprobs=name == "AR")
     print(f"[{name}] parity pass: {len(replies)} prompts in {time.perf_counter() - t0:.1f} s", flush=True)
     if name == "AR" and args.ar_control > 1:
-        control = control_pass(base, prompts[:args.prompts], args, args.ar_control)
+        control = parity_pass(base, prompts[:args.prompts], args, logprobs=False, concurrency=args.ar_control)
         results["parity_ar_control"] = {**parity_summary(replies, control, prompts[:args.prompts], args.near_tie_nats),
                                         "concurrency": args.ar_control}
         summary = results["parity_ar_control"]
