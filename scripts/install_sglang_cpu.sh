@@ -14,7 +14,9 @@
 #
 # Idempotent: a venv that already has this exact set (stamp = hash of this script + version) returns
 # at once; otherwise pip re-runs and skips what is installed. Fresh: ~2.5 min, ~6 GB (torch 2.14.1 is
-# the CUDA build with its nvidia-* wheels; nothing CUDA is used).
+# the CUDA build with its nvidia-* wheels; nothing CUDA is used, but SGLang's config package imports
+# torchvision, and PyPI's torchvision needs CUDA torch's libraries). pip's download cache stays off:
+# it would hold a second copy of those wheels, and a CI machine's disk can be small.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,13 +42,24 @@ if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] \
 fi
 
 start=$(date +%s)
-[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+if [[ ! -x "$VENV/bin/python" ]]; then
+  # A fresh venv needs ~6.5 GB: say so now rather than with pip's OSError halfway through.
+  mkdir -p "$(dirname "$VENV")"
+  free_kb=$(df -Pk "$(dirname "$VENV")" | awk 'NR == 2 {print $4}')
+  if (( free_kb < 7 * 1024 * 1024 )); then
+    echo "install_sglang_cpu: $VENV needs ~7 GB of free disk (torch's CUDA build, which SGLang's" \
+         "torchvision import requires); $(( free_kb / 1024 )) MB are free there. Free some space, or set" \
+         "DSPINE_SGLANG_VENV to a folder on a larger disk." >&2
+    exit 3
+  fi
+  "$PYTHON" -m venv "$VENV"
+fi
 # pip, minus the noise we expect: the resolver lists every sglang requirement skipped on purpose
 # (and this machine's pip config warns about local index folders). Real errors still show.
 PIP_NOISE="^sglang [0-9.]+ requires |^ERROR: pip's dependency resolver does not currently take"
 PIP_NOISE+="|is ignored: it is neither a file nor a directory"
 pip_install() {
-  "$VENV/bin/python" -m pip install --quiet --progress-bar off "$@" \
+  "$VENV/bin/python" -m pip install --no-cache-dir --quiet --progress-bar off "$@" \
     2> >(grep -v -E "$PIP_NOISE" >&2)
 }
 
