@@ -366,16 +366,37 @@ class VerifyPlan:
         return self.expected_tokens / self.step_seconds
 
 
+VERIFY_LAYOUTS = ("ragged", "padded")
+
+
 @dataclass(frozen=True)
 class VerifyPlanner:
-    """Choose B maximising tau*(B) / step_seconds(n_req, B), i.e. tau*·SPS(n_req + B) with the
-    diagonal table and tau*/T(n_req, n_req + B) with the additive one (SGLang's
-    `compute_verify_token_budget`), then give out the B largest survival entries as per-row
-    prefixes (`ScheduleVerifyLensTopk`: ties go to the earlier position, then the earlier row).
-    Entries below `survival_eps` are never verified. Ties between budgets go to the smallest."""
+    """Choose the verify plan with the most expected tokens per second.
+
+    `layout` is how the executor lays the verify tokens out, which decides what a plan costs:
+
+    - "ragged" (SGLang's compact verify): a step costs its total verify tokens. Choose B
+      maximising tau*(B) / step_seconds(n_req, B), i.e. tau*·SPS(n_req + B) with the diagonal
+      table and tau*/T(n_req, n_req + B) with the additive one (SGLang's
+      `compute_verify_token_budget`), then give out the B largest survival entries as per-row
+      prefixes (`ScheduleVerifyLensTopk`: ties go to the earlier position, then the earlier row).
+      Entries below `survival_eps` are never verified.
+    - "padded" (one width for the whole batch: the reference engine's `[bs, 1 + w]` forward, a
+      static verify graph): a step costs bs·(1 + w) tokens whatever each row would have taken, so
+      the plan is one width w for every row, maximising (n_req + sum over rows of S[b, :w]) /
+      step_seconds(n_req, bs·w); survival entries below `survival_eps` add nothing.
+
+    Ties between plans go to the smallest budget.
+    """
 
     table: CostTable = FlatCostTable()
     survival_eps: float = 1e-6
+    layout: str = "ragged"
+
+    def __post_init__(self) -> None:
+        if self.layout not in VERIFY_LAYOUTS:
+            raise ValueError(f"layout={self.layout!r}: use 'ragged' (per-row verify lengths, SGLang's compact "
+                             f"verify) or 'padded' (one width per batch, e.g. the reference engine)")
 
     def plan(self, survival: Tensor, num_requests: int | None = None) -> VerifyPlan:
         """survival [bs, N] in [0, 1], non-increasing along N (a cumprod of acceptance
@@ -389,6 +410,8 @@ class VerifyPlanner:
         if bool(((s < 0) | (s > 1) | s.isnan()).any()) or bool((s[:, 1:] > s[:, :-1]).any()):
             raise ValueError("survival must lie in [0, 1] and be non-increasing along positions: "
                              "pass the cumprod of per-position acceptance probabilities")
+        if self.layout == "padded":
+            return self._plan_padded(s, num_requests, survival.device)
         flat = s.T.reshape(-1)                          # position-major: index j*bs + b
         valid = flat >= self.survival_eps
         order = torch.argsort(torch.where(valid, -flat, torch.inf), stable=True)
@@ -399,6 +422,16 @@ class VerifyPlanner:
         verify_lens = torch.bincount(order[:budget] % bs, minlength=bs)
         return VerifyPlan(budget=budget, verify_lens=verify_lens.to(survival.device),
                           expected_tokens=float(tau[budget]), step_seconds=float(seconds[budget]))
+
+    def _plan_padded(self, s: Tensor, num_requests: int, device) -> VerifyPlan:
+        """One width w in 0..N for every row: expected tokens n_req + sum_b sum_{j<w} S[b, j]."""
+        bs, n = s.shape
+        gain = torch.where(s >= self.survival_eps, s, torch.zeros_like(s)).sum(0)          # [N]
+        tau = num_requests + torch.cat([torch.zeros(1, dtype=torch.float64), gain.cumsum(0)])   # [N+1]
+        seconds = self.table.step_seconds(num_requests, bs * torch.arange(n + 1))
+        width = int(torch.argmax(tau / seconds))
+        return VerifyPlan(budget=bs * width, verify_lens=torch.full((bs,), width, dtype=torch.int64, device=device),
+                          expected_tokens=float(tau[width]), step_seconds=float(seconds[width]))
 
 
 def confidence_logits(confidence: Tensor) -> Tensor:

@@ -26,10 +26,22 @@ VerifyBudget = Callable[[Proposal], Tensor]
 """Dynamic verification hook: a proposal -> verify lengths [bs] in 0..N."""
 
 
+@dataclass(frozen=True)
+class RoundTiming:
+    """One decode round of a batch: `rows` active rows; `verify_tokens` tokens the target's forward
+    ran (rows x (1 + the padded verify width); rows for plain decoding); `seconds` of wall time
+    (draft + verify + accept + commit; the round reads its tokens back to the host, which syncs)."""
+
+    rows: int
+    verify_tokens: int
+    seconds: float
+
+
 @dataclass
 class GenerationStats:
     """tau: mean tokens emitted per round per row (accepted + bonus); per_position_accept[j]: share
-    of verified rounds whose proposal j+1 was accepted; tokens_per_s over the decode phase."""
+    of verified rounds whose proposal j+1 was accepted; tokens_per_s over the decode phase;
+    round_timings: every decode round's size and wall time (the reference engine's step-time record)."""
 
     rounds: int = 0
     row_rounds: int = 0
@@ -39,6 +51,7 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)
     verified_per_position: list[int] = field(default_factory=list)
     verified_tokens: int = 0
+    round_timings: list[RoundTiming] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -135,14 +148,18 @@ def _generate_batch(target, proposer: Proposer | None, prompts: list[list[int]],
                 proposer.select(rows)
             params, anchor = params.select(rows), anchor[rows]
             active = [active[r] for r in keep_rows]
+        round_start = time.perf_counter()
         if proposer is None:
             step = runner.verify(anchor[:, None])
             anchor = sample_tokens(warp_probs(step.logits, params)[:, 0], generator)
             runner.commit(torch.ones_like(anchor))
             emitted = [[int(a)] for a in anchor]
             _count(stats, len(active), [1] * len(active), None, None)
+            fed = len(active)
         else:
-            anchor, emitted = _speculative_round(runner, proposer, anchor, params, generator, verify_budget, stats)
+            anchor, emitted, fed = _speculative_round(runner, proposer, anchor, params, generator, verify_budget,
+                                                      stats)
+        stats.round_timings.append(RoundTiming(len(active), fed, time.perf_counter() - round_start))
         for r, i in enumerate(active):
             out[i].extend(emitted[r])
     _sync(device)
@@ -152,7 +169,9 @@ def _generate_batch(target, proposer: Proposer | None, prompts: list[list[int]],
 
 def _speculative_round(runner: TransformersTargetRunner, proposer: Proposer, anchor: Tensor, params: SamplingParams,
                        generator: torch.Generator, verify_budget: VerifyBudget | None,
-                       stats: GenerationStats) -> tuple[Tensor, list[list[int]]]:
+                       stats: GenerationStats) -> tuple[Tensor, list[list[int]], int]:
+    """One round; returns the next anchors [bs], the tokens each row emitted, and the number of
+    tokens the target's verify forward ran (bs x (1 + padded width))."""
     prop = proposer.propose(anchor, params.temperature, generator)
     n = prop.tokens.shape[1]
     verify_lens = verify_budget(prop) if verify_budget is not None else torch.full_like(anchor, n)
@@ -171,7 +190,7 @@ def _speculative_round(runner: TransformersTargetRunner, proposer: Proposer, anc
     toks = prop.tokens.tolist()
     emitted = [toks[r][: int(a)] + [int(b)] for r, (a, b) in enumerate(zip(accept_len, bonus))]
     _count(stats, len(emitted), keep.tolist(), accept_len, verify_lens)
-    return bonus, emitted
+    return bonus, emitted, block.numel()
 
 
 def _count(stats: GenerationStats, rows: int, emitted: list[int], accept_len: Tensor | None,

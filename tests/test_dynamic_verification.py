@@ -106,6 +106,35 @@ def test_planner_eps_extra_requests_and_bad_survival():
         VerifyPlanner().plan(survival, num_requests=1)
 
 
+@pytest.mark.parametrize("kind", ["flat", "diagonal", "additive"])
+def test_padded_planner_matches_brute_force(kind):
+    g = torch.Generator().manual_seed(3)
+    for case in range(40):
+        bs, n = 1 + case % 4, 1 + (case // 4) % 4
+        survival, table = random_survival(bs, n, g), random_table(kind, g)
+        extra = case % 2                                     # running requests without survival rows
+        plan = VerifyPlanner(table, layout="padded").plan(survival, num_requests=bs + extra)
+        # Brute force: every common width w; the step runs bs*w proposal slots whatever the rows hold.
+        rates = [(bs + extra + sum(float(survival[r, :w].sum()) for r in range(bs)))
+                 / float(table.step_seconds(bs + extra, torch.tensor([bs * w]))[0]) for w in range(n + 1)]
+        width = max(range(n + 1), key=lambda w: (rates[w], -w))
+        assert plan.verify_lens.tolist() == [width] * bs
+        assert plan.budget == bs * width and plan.tokens_per_s == pytest.approx(rates[width], rel=1e-12)
+
+
+def test_padded_layout_does_not_pay_for_one_confident_row():
+    # One sure row and seven hopeless ones; each verified slot costs 10 ms on top of 100 ms.
+    survival = torch.tensor([[0.99] * 7] + [[0.02] * 7] * 7, dtype=torch.float64).cumprod(-1)
+    linear = SpsAdditiveCostTable(bias_seconds=0.1, bs_probes=(1,), alpha_seconds=(0.0,), m_probes=(0, 1000),
+                                  theta_seconds=(0.0, 10.0))
+    ragged = VerifyPlanner(linear).plan(survival)
+    assert ragged.verify_lens.tolist() == [7] + [0] * 7            # pays only for the sure row's slots
+    padded = VerifyPlanner(linear, layout="padded").plan(survival)
+    assert padded.verify_lens.tolist() == [0] * 8                  # a width of 7 would cost 8 x 7 slots
+    with pytest.raises(ValueError, match="layout"):
+        VerifyPlanner(layout="compact")
+
+
 # ---------------------------------------------------------------------------------- calibration
 def synthetic_rounds(temps: list[float], n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw logits [n, N] and accept_len [n] where position j accepts w.p. sigmoid(logit / T_j)."""
@@ -314,6 +343,15 @@ def test_planner_verifies_the_confident_prefix(llama_target, plain):
     assert dyn.tokens == full.tokens == [t[:MAX_NEW] for t in truth]
     assert full.stats.mean_verify_tokens == 8 and dyn.stats.mean_verify_tokens == 4
     assert dyn.stats.tau == full.stats.tau == 4
+    # The step-time record: every round's rows and the tokens its verify forward ran.
+    for stats, width in ((full.stats, 7), (dyn.stats, 3)):
+        assert len(stats.round_timings) == stats.rounds
+        assert sum(t.rows for t in stats.round_timings) == stats.row_rounds
+        assert [t.verify_tokens for t in stats.round_timings] == [t.rows * (1 + width) for t in stats.round_timings]
+        assert all(t.seconds > 0 for t in stats.round_timings)
+    padded = generate(llama_target, proposer, prompts, max_new_tokens=MAX_NEW, stop_token_ids=[],
+                      verify_budget=make_verify_budget(VerifyPlanner(table, layout="padded")))
+    assert padded.tokens == full.tokens and padded.stats.mean_verify_tokens == 4
 
 
 @pytest.mark.parametrize("tokens_per_row,expect", [(0, 1.0), (2, None)], ids=["steep", "partial"])
