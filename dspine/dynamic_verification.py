@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 from dspine.drafter import DSpineDraftModel
-from dspine.engine import VerifyBudget
 from dspine.proposer import DSpineProposer, Proposal, Proposer
 
 _LOGIT_EPS = 1e-12     # confidence in [eps, 1 - eps] before inverting the sigmoid
@@ -157,6 +156,19 @@ class PositionCalibration:
         per_position = [expected_calibration_error(survival[:, j], reached[:, j], num_bins)
                         for j in range(logits.shape[1])]
         return per_position, expected_calibration_error(survival, reached, num_bins)
+
+    def survival_gaps(self, logits: Tensor, accept_len: Tensor) -> list[dict]:
+        """Per position j (1-based `position`): `rounds` n, `predicted` P(accept_len >= j) (the
+        mean calibrated survival), `observed` rate, and their gap in points (`gap_points`, + means
+        over-predicted). logits [n, N]; accept_len [n] in 0..N."""
+        _check_outcomes(logits, accept_len)
+        survival = self.probabilities(logits).cumprod(-1)
+        rows = []
+        for j in range(logits.shape[1]):
+            predicted, observed = float(survival[:, j].mean()), float((accept_len > j).double().mean())
+            rows.append({"position": j + 1, "rounds": int(logits.shape[0]), "predicted": predicted,
+                         "observed": observed, "gap_points": 100 * (predicted - observed)})
+        return rows
 
     @classmethod
     def fit(cls, logits: Tensor, accept_len: Tensor, *, bounds: tuple[float, float] = (0.05, 20.0),
@@ -440,16 +452,61 @@ def confidence_logits(confidence: Tensor) -> Tensor:
     return torch.logit(confidence.double(), eps=_LOGIT_EPS)
 
 
-def make_verify_budget(planner: VerifyPlanner, calibration: PositionCalibration | None = None) -> VerifyBudget:
-    """A `verify_budget` for `dspine.generate`: calibrated survival of every row, then the plan."""
-    def verify_budget(prop: Proposal) -> Tensor:
+class DynamicVerifier:
+    """The reference engine's dynamic verification: a `verify_budget` (calibrated survival of every
+    row -> the planner's verify lengths) and, given the cost of a plain decoding step, a
+    `SpeculationSwitch` that stops drafting while drafting does not pay.
+
+    Even a plan that verifies nothing pays for the draft, so under heavy load (or with a drafter
+    too slow for its target) the best plan can be slower than plain decoding. With `plain_table`
+    (step_seconds(n, 0) = one plain step of n rows), every planned round compares its expected
+    tokens/s with plain decoding's, n / T_plain(n). When plain decoding is faster, the next
+    `backoff` rounds decode plainly, then one round drafts again to re-measure; `backoff` doubles
+    (1, 2, 4, .. up to `max_backoff`) while such probes keep losing and resets to 1 when one wins.
+    The switch only picks between two lossless steps, so outputs never change.
+
+    Attributes after a run: `plans` planned rounds, `plain_rounds` rounds decoded plainly.
+    """
+
+    def __init__(self, planner: VerifyPlanner, calibration: PositionCalibration | None = None,
+                 plain_table: CostTable | None = None, max_backoff: int = 64):
+        if max_backoff < 1:
+            raise ValueError(f"max_backoff={max_backoff}: must be >= 1 (plain rounds before a probe)")
+        self.planner, self.calibration, self.plain_table = planner, calibration, plain_table
+        self.max_backoff = max_backoff
+        self.backoff, self.skip = 1, 0
+        self.plans = self.plain_rounds = 0
+
+    def __call__(self, prop: Proposal) -> Tensor:
         if prop.confidence is None:
             raise ValueError("dynamic verification needs the drafter's confidence head: use a drafter built "
                              "with confidence_head=True, or pass verify_budget=None to verify everything")
-        probs = prop.confidence.double() if calibration is None else calibration.probabilities(
+        probs = prop.confidence.double() if self.calibration is None else self.calibration.probabilities(
             confidence_logits(prop.confidence))
-        return planner.plan(probs.cumprod(-1)).verify_lens.to(prop.tokens.device)
-    return verify_budget
+        plan = self.planner.plan(probs.cumprod(-1))
+        self.plans += 1
+        if self.plain_table is not None:
+            rows = prop.tokens.shape[0]
+            plain_rate = rows / float(self.plain_table.step_seconds(rows, torch.zeros(1, dtype=torch.long))[0])
+            if plan.tokens_per_s < plain_rate:
+                self.skip, self.backoff = self.backoff, min(2 * self.backoff, self.max_backoff)
+            else:
+                self.backoff = 1
+        return plan.verify_lens.to(prop.tokens.device)
+
+    def speculate(self, rows: int) -> bool:
+        if self.skip > 0:
+            self.skip -= 1
+            self.plain_rounds += 1
+            return False
+        return True
+
+
+def make_verify_budget(planner: VerifyPlanner, calibration: PositionCalibration | None = None,
+                       plain_table: CostTable | None = None) -> DynamicVerifier:
+    """A `verify_budget` for `dspine.generate` (see `DynamicVerifier`; without `plain_table` every
+    round drafts)."""
+    return DynamicVerifier(planner, calibration, plain_table)
 
 
 # ------------------------------------------------------------------------------------ recording

@@ -4,15 +4,16 @@ One round per step for every active row: the drafter proposes N = B-1 tokens aft
 anchor, the target verifies anchor + proposals in one forward, acceptance keeps the longest valid
 prefix plus the target's own next token, both caches commit exactly the emitted tokens. With
 `drafter=None` the same loop is plain decoding (one token per step), the baseline every
-speculative output is compared against. Rows finish independently (stop token or
-`max_new_tokens`) and leave the batch.
+speculative output is compared against. A `verify_budget` caps each row's verify length (dynamic
+verification); one that is also a `SpeculationSwitch` can make a round plain decoding. Rows finish
+independently (stop token or `max_new_tokens`) and leave the batch.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -24,6 +25,15 @@ from dspine.target_runner import TransformersTargetRunner, make_target_runner
 
 VerifyBudget = Callable[[Proposal], Tensor]
 """Dynamic verification hook: a proposal -> verify lengths [bs] in 0..N."""
+
+
+@runtime_checkable
+class SpeculationSwitch(Protocol):
+    """A verify budget that can also turn drafting off: before every round, `speculate(rows)` says
+    whether this round drafts and verifies (True) or decodes plainly (False: one target step; the
+    drafter still follows the committed tokens, so it can draft again in any later round)."""
+
+    def speculate(self, rows: int) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -137,6 +147,7 @@ def _generate_batch(target, proposer: Proposer | None, prompts: list[list[int]],
     stats.prefill_seconds += time.perf_counter() - t0
     t0 = time.perf_counter()
     active = list(range(len(prompts)))                     # batch row -> prompt index
+    unseen: list[tuple[Tensor, Tensor]] = []               # plain steps (ids, hidden) not yet shown to the drafter
     while True:
         keep_rows = [r for r, i in enumerate(active) if not _finished(out[i], max_new, stops)]
         if not keep_rows:
@@ -145,18 +156,25 @@ def _generate_batch(target, proposer: Proposer | None, prompts: list[list[int]],
             rows = torch.tensor(keep_rows, device=device)
             runner.select(rows)
             if proposer is not None:
+                _catch_up(proposer, unseen)
                 proposer.select(rows)
             params, anchor = params.select(rows), anchor[rows]
             active = [active[r] for r in keep_rows]
         round_start = time.perf_counter()
-        if proposer is None:
-            step = runner.verify(anchor[:, None])
+        plain = proposer is None or (isinstance(verify_budget, SpeculationSwitch)
+                                     and not verify_budget.speculate(len(active)))
+        if plain:
+            step_ids = anchor[:, None]
+            step = runner.verify(step_ids)
             anchor = sample_tokens(warp_probs(step.logits, params)[:, 0], generator)
             runner.commit(torch.ones_like(anchor))
+            if proposer is not None:
+                unseen.append((step_ids, step.hidden))
             emitted = [[int(a)] for a in anchor]
             _count(stats, len(active), [1] * len(active), None, None)
             fed = len(active)
         else:
+            _catch_up(proposer, unseen)
             anchor, emitted, fed = _speculative_round(runner, proposer, anchor, params, generator, verify_budget,
                                                       stats)
         stats.round_timings.append(RoundTiming(len(active), fed, time.perf_counter() - round_start))
@@ -165,6 +183,16 @@ def _generate_batch(target, proposer: Proposer | None, prompts: list[list[int]],
     _sync(device)
     stats.decode_seconds += time.perf_counter() - t0
     return [_truncate(o, max_new, stops) for o in out]
+
+
+def _catch_up(proposer: Proposer, unseen: list[tuple[Tensor, Tensor]]) -> None:
+    """Show the drafter the plain steps since its last round, all in one `extend` (the same context
+    as one `extend` per step), and empty `unseen`."""
+    if unseen:
+        ids = torch.cat([i for i, _ in unseen], 1)
+        hidden = None if unseen[0][1] is None else torch.cat([h for _, h in unseen], 1)   # None: no layer_ids
+        proposer.extend(ids, hidden, torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long, device=ids.device))
+        unseen.clear()
 
 
 def _speculative_round(runner: TransformersTargetRunner, proposer: Proposer, anchor: Tensor, params: SamplingParams,

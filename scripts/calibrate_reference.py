@@ -47,23 +47,11 @@ def record(target, tokenizer, drafter, requests, *, max_new_tokens: int, batch_s
     return recorder
 
 
-def position_report(calibration: PositionCalibration, logits: torch.Tensor, accept_len: torch.Tensor) -> list[dict]:
-    """Per position j (1-based): rounds, predicted P(accept_len >= j) (mean calibrated survival),
-    observed rate, gap in points."""
-    survival = calibration.probabilities(logits).cumprod(-1)
-    rows = []
-    for j in range(logits.shape[1]):
-        predicted, observed = float(survival[:, j].mean()), float((accept_len > j).double().mean())
-        rows.append({"position": j + 1, "rounds": int(logits.shape[0]), "predicted": predicted,
-                     "observed": observed, "gap_points": 100 * (predicted - observed)})
-    return rows
-
-
 def heldout_report(fit: PositionCalibration, held: ConfidenceRecorder, ece_before: list[float]) -> dict:
     """Print and return one fit's held-out table: per position predicted vs observed, gap, ECE
     before (raw head) and after; plus the overall survival ECE after and the largest gap."""
     after, after_all = fit.calibration_error(held.logits, held.accept_len)
-    rows = position_report(fit, held.logits, held.accept_len)
+    rows = fit.survival_gaps(held.logits, held.accept_len)
     for row, b, a in zip(rows, ece_before, after):
         row.update(ece_before=b, ece_after=a)
     print(f"{'pos':>4} {'predicted':>10} {'observed':>9} {'gap pts':>8} {'ECE before':>11} {'ECE after':>10}")

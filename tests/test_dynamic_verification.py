@@ -13,8 +13,8 @@ import torch
 
 from conftest import drafter_for, fixed_prompts
 from dspine import generate
-from dspine.dynamic_verification import (ConfidenceRecorder, FlatCostTable, PositionCalibration, SpsAdditiveCostTable,
-                                         SpsCostTable, VerifyPlanner, expected_calibration_error, load_sps_table,
+from dspine.dynamic_verification import (ConfidenceRecorder, DynamicVerifier, FlatCostTable, PositionCalibration,
+                                         SpsAdditiveCostTable, SpsCostTable, VerifyPlanner, expected_calibration_error, load_sps_table,
                                          make_verify_budget, sps_table_from_json, sps_table_to_json)
 from dspine.proposer import Proposal
 
@@ -196,6 +196,15 @@ def test_affine_fit_stays_finite_on_degenerate_positions():
     assert float(cal.probabilities(z)[:, 1].max()) < 0.05
 
 
+def test_survival_gaps_compare_mean_survival_with_the_observed_rate():
+    logits = torch.tensor([[10.0, 0.0], [10.0, -10.0]], dtype=torch.float64)  # p ≈ (1, .5) and (1, 0)
+    accept = torch.tensor([2, 0])
+    rows = PositionCalibration.identity(2).survival_gaps(logits, accept)
+    assert rows[0]["predicted"] == pytest.approx(1.0, abs=1e-4) and rows[0]["observed"] == 0.5
+    assert rows[1]["predicted"] == pytest.approx(0.25, abs=1e-4) and rows[1]["observed"] == 0.5
+    assert rows[1]["gap_points"] == pytest.approx(-25.0, abs=1e-2)
+
+
 def test_ece_equal_width_bins_by_hand():
     probs, labels = torch.tensor([0.05, 0.15, 0.95]), torch.tensor([0, 1, 1])
     assert expected_calibration_error(probs, labels) == pytest.approx((0.05 + 0.85 + 0.05) / 3)
@@ -352,6 +361,39 @@ def test_planner_verifies_the_confident_prefix(llama_target, plain):
     padded = generate(llama_target, proposer, prompts, max_new_tokens=MAX_NEW, stop_token_ids=[],
                       verify_budget=make_verify_budget(VerifyPlanner(table, layout="padded")))
     assert padded.tokens == full.tokens and padded.stats.mean_verify_tokens == 4
+
+
+def round_kinds(stats, width: int) -> str:
+    """'S' for a round that verified `width` proposals per row, 'P' for a plain decoding step."""
+    kinds = {t.rows * (1 + width): "S" for t in stats.round_timings} | {t.rows: "P" for t in stats.round_timings}
+    return "".join(kinds[t.verify_tokens] for t in stats.round_timings)
+
+
+def test_switch_decodes_plainly_while_drafting_loses_and_probes_with_backoff(llama_target, plain):
+    prompts, truth = plain
+    recorder = ConfidenceRecorder(KnownPrefixProposer(prompts, truth, k=3))
+    cheap_plain = SpsCostTable((1,), (1e6,), max_batch_tokens=1)          # plain steps nearly free
+    verifier = make_verify_budget(VerifyPlanner(), plain_table=cheap_plain)
+    out = generate(llama_target, recorder, prompts, max_new_tokens=MAX_NEW, stop_token_ids=[],
+                   verify_budget=verifier)
+    assert out.tokens == [t[:MAX_NEW] for t in truth]
+    # Drafting rounds come after 1, 2, 4, ... plain steps; each emits 4 tokens (3 accepted + bonus).
+    assert round_kinds(out.stats, 7) == "SPSPPSPPPPS"                   # 1 + 4+1+4+2+4+4+4 = 24 tokens
+    assert verifier.plans == 4 and verifier.plain_rounds == 7
+    # The drafter followed the plain steps too: every drafting round still accepted exactly 3.
+    assert recorder.accept_len.tolist() == [3] * 4 * PROMPTS
+
+
+def test_switch_keeps_drafting_while_drafting_wins(llama_target, plain):
+    prompts, truth = plain
+    slow_plain = SpsCostTable((1,), (1e-6,), max_batch_tokens=1)
+    verifier = make_verify_budget(VerifyPlanner(), plain_table=slow_plain)
+    out = generate(llama_target, drafter_for(llama_target), prompts, max_new_tokens=MAX_NEW, stop_token_ids=[],
+                   verify_budget=verifier)
+    assert out.tokens == [t[:MAX_NEW] for t in truth]
+    assert verifier.plain_rounds == 0 and verifier.plans == out.stats.rounds
+    with pytest.raises(ValueError, match="max_backoff"):
+        DynamicVerifier(VerifyPlanner(), max_backoff=0)
 
 
 @pytest.mark.parametrize("tokens_per_row,expect", [(0, 1.0), (2, None)], ids=["steep", "partial"])
