@@ -85,7 +85,7 @@ def fixed_width(width: int):
 def median_round_seconds(target, proposer, prompts, c: int, rounds: int, width: int = 0,
                          verify_budget=None) -> tuple[float, int]:
     """Median wall time of a round with all c rows present and the number of rounds timed. Stop
-    tokens are off and every row has room for `rounds` + 1 rounds of up to 1 + width tokens, so
+    tokens are off and every row has room for `rounds` + 2 rounds of up to 1 + width tokens, so
     no row leaves early; the first round, the warm-up, is dropped."""
     batch = (prompts * (c // len(prompts) + 1))[:c]
     out = generate(target, proposer, batch, max_new_tokens=(rounds + 2) * (1 + width), stop_token_ids=[],
