@@ -30,6 +30,13 @@ leaves what was measured):
   `--ar-control C` measures that band instead of assuming it: the AR server answers the parity
   prompts a second time with C in flight, and `parity_ar_control` judges those answers against its
   serial ones exactly as the DSPINE server's (plain decoding against itself at another batch size).
+  `--prefill-check` asks the target itself, at each divergence: the AR server (measured last, so
+  the speculative tokens are known) flushes its radix cache and prefills prompt + the common prefix
+  in one multi-token forward (as a verify computes it), and its greedy next token is recorded with
+  its top-2 logprobs (`prefill` in each divergence: `picks` "spec", "ar" or "neither";
+  `prefill_picks` counts them per parity block). A divergence whose prefill picks the speculative
+  server's token is a choice the target's own multi-token forward makes: bf16 forward-mode noise,
+  not a fault of the drafter or the commit path.
 * Ceiling, from the non-streamed requests of the concurrency-1 level (one at a time, no logprobs):
   T_step = AR wall / AR completion tokens, T_round = DSPINE wall / DSPINE spec_verify_ct (client
   wall times, prefill and HTTP included on both sides), tau = DSPINE completion tokens /
@@ -150,6 +157,7 @@ class Reply:
     meta_info: dict = field(default_factory=dict)
     token_ids: list[int] | None = None
     top2: list[list[float]] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 def _completion_tokens(usage: dict | None, where: str) -> int:
@@ -205,6 +213,7 @@ def send_with_meta(base: str, body: dict, timeout: float, parity: bool = False, 
         reply.token_ids = choice.get("token_ids")
         if not isinstance(reply.token_ids, list):
             raise BenchError(f"{url}: no choices[0].token_ids although return_token_ids was set")
+        reply.prompt_token_ids = choice.get("prompt_token_ids")  # SGLang adds them with return_token_ids
     if logprobs:
         content = (choice.get("logprobs") or {}).get("content")
         if content is None:
@@ -321,6 +330,48 @@ def summarize_parity(prompts: int, divergences: list[dict], near_tie_nats: float
 
 
 PARITY_KEYS = ("parity", "parity_ablation", "parity_ar_control")
+
+
+def prefill_next_token(base: str, input_ids: list[int], timeout: float) -> dict:
+    """The server's greedy next token after `input_ids`, computed by one prefill: the radix cache
+    is flushed first (nothing of the prefix comes from decode-time KV), then native `/generate`
+    with one new token and its top-2 logprobs. `{"token": id, "top2": [[logprob, id], ...]}`."""
+    with _post(f"{base}/flush_cache", {}, timeout) as r:
+        r.read()
+    body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 1},
+            "return_logprob": True, "top_logprobs_num": 2}
+    with _post(f"{base}/generate", body, timeout) as r:
+        payload = json.loads(r.read())
+    try:
+        top = (payload["meta_info"]["output_top_logprobs"] or [])[0]
+        top2 = sorted(([float(e[0]), int(e[1])] for e in top), reverse=True)
+        token = int((payload.get("output_ids") or [top2[0][1]])[0])
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise BenchError(f"{base}/generate: no output token with top logprobs in {str(payload)[:300]} ({e})") from None
+    return {"token": token, "top2": top2}
+
+
+def prefill_check(base: str, ar: list[Reply], other: list[Reply], block: dict, prompts: list[dict],
+                  timeout: float) -> dict:
+    """Add `prefill` to every divergence of `block` (a parity summary of `ar` against `other`,
+    prompt order) and `prefill_picks` to the block: which side the AR server's one-pass prefill of
+    prompt + common prefix takes at the divergence ("spec" = `other`'s token, "ar", "neither")."""
+    index = {p["id"]: i for i, p in enumerate(prompts)}
+    picks = {"spec": 0, "ar": 0, "neither": 0}
+    for d in block["divergences"]:
+        a, b = ar[index[d["id"]]], other[index[d["id"]]]
+        if a.prompt_token_ids is None:
+            raise BenchError("the AR server returned no choices[0].prompt_token_ids with return_token_ids "
+                             "(SGLang >= 0.5.17 does): --prefill-check needs them")
+        k = d["position"]
+        got = prefill_next_token(base, a.prompt_token_ids + a.token_ids[:k], timeout)
+        ar_token = a.token_ids[k] if k < len(a.token_ids) else None
+        spec_token = b.token_ids[k] if k < len(b.token_ids) else None
+        side = "spec" if got["token"] == spec_token else "ar" if got["token"] == ar_token else "neither"
+        picks[side] += 1
+        d["prefill"] = {**got, "ar_token": ar_token, "spec_token": spec_token, "picks": side}
+    block["prefill_picks"] = picks
+    return block
 
 
 def reclassify(results: dict, near_tie_nats: float) -> dict:
@@ -535,7 +586,19 @@ def measure_config(name: str, base: str, prompts: list[dict], args: argparse.Nam
         summary = results["parity_ar_control"]
         print(f"[AR] control at concurrency {args.ar_control}: {summary['identical']} of {summary['prompts']} "
               f"identical to the serial pass, gaps {summary['gap_histogram']}", flush=True)
+        if args.prefill_check:
+            prefill_check(base, replies, control, summary, prompts[:args.prompts], args.request_timeout)
     return replies, c1
+
+
+def run_prefill_checks(base: str, results: dict, passes: dict[str, list[Reply]], prompts: list[dict],
+                       args: argparse.Namespace) -> None:
+    """--prefill-check on the running AR server, for the DSPINE and DSPINE-ablation parity blocks."""
+    for key, name in (("parity", "DSPINE"), ("parity_ablation", "DSPINE-ablation")):
+        if results.get(key) and name in passes:
+            block = prefill_check(base, passes["AR"], passes[name], results[key], prompts[:args.prompts],
+                                  args.request_timeout)
+            print(f"[AR] prefill check of {name}'s divergences: {block['prefill_picks']}", flush=True)
 
 
 def finish_comparison(results: dict, passes: dict[str, list[Reply]], c1: dict[str, list[Reply]],
@@ -590,6 +653,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after its parity pass, the AR server answers the parity prompts again with C in flight; "
                         "`parity_ar_control` compares the two AR passes like a DSPINE one (plain decoding against "
                         "itself at another batch size: the divergences and gaps bf16 alone produces on this server)")
+    p.add_argument("--prefill-check", action="store_true",
+                   help="measure the AR server last and, at every divergence, ask it for its greedy next token "
+                        "after a one-pass prefill of prompt + common prefix (radix cache flushed): does the "
+                        "target's own multi-token forward take the speculative server's token?")
     p.add_argument("--near-tie-nats", type=float, default=0.25,
                    help="largest AR top-2 logprob gap (nats) at which a divergence counts as a bf16 near-tie")
     p.add_argument("--request-timeout", type=float, default=300.0)
@@ -629,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path}")
         return 0
     configs = server_configs(args)
+    if args.prefill_check and "AR" in configs:  # AR last: it answers for the divergences of the others
+        configs = {**{n: f for n, f in configs.items() if n != "AR"}, "AR": configs["AR"]}
     if "DSPINE-ablation" in args.configs and "DSPINE-ablation" not in configs:
         print("DSPINE-ablation skipped: no --ablation-draft given", flush=True)
     prompts = load_prompt_mix(max(level_prompts(args, c) for c in [*args.concurrency, 1]))
@@ -647,12 +716,16 @@ def main(argv: list[str] | None = None) -> int:
             base = launcher.start(name, flags)
             results["configs"][name]["start_s"] = time.perf_counter() - t0
             passes[name], c1[name] = measure_config(name, base, prompts, args, results, args.out_dir)
+            if name == "AR" and args.prefill_check:  # the AR server is measured last: both passes are in
+                finish_comparison(results, passes, c1, prompts, args)
+                run_prefill_checks(base, results, passes, prompts, args)
         except (BenchError, OSError) as e:
             results["errors"].append(f"{name}: {e}")
             print(f"[{name}] FAILED: {e}", flush=True)
         finally:
             launcher.stop(name)
-        finish_comparison(results, passes, c1, prompts, args)
+        if not (name == "AR" and args.prefill_check):  # done above, before the prefill check annotated it
+            finish_comparison(results, passes, c1, prompts, args)
         write_results(results, args.out_dir, args.results_name)
     path = write_results(results, args.out_dir, args.results_name)
     plot(results, args.out_dir, args.results_name)

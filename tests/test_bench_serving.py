@@ -4,6 +4,9 @@ The stub speaks the OpenAI chat-completions protocol (plain, SSE streaming, tool
 `return_meta_info`/`return_token_ids`, logprobs) on 127.0.0.1 at a free port, with deterministic
 outputs. Its "dspine" mode returns `spec_verify_ct` (accept length 2) and two planted divergences
 from the "ar" mode: one at a near-tie of the AR logprobs (gap 0.05 nats), one not (gap 2.9).
+Native `/generate` with `input_ids` (after `/flush_cache`) answers the prefill check: its one-pass
+next token is the "dspine" one at the planted near-tie (forward-mode noise) and the "ar" one at the
+other planted divergence (what a drafter or commit bug would look like).
 """
 
 from __future__ import annotations
@@ -43,6 +46,23 @@ def _text(ids: list[int]) -> list[str]:
     return [f"t{i} " for i in ids]
 
 
+PROMPT_END = 2  # the stub's prompt ids: the prompt's characters, then this id
+
+
+def prompt_ids(prompt: str) -> list[int]:
+    return [ord(ch) for ch in prompt] + [PROMPT_END]
+
+
+def prefill_answer(input_ids: list[int]) -> tuple[int, list[list[float]]]:
+    """The stub's one-pass next token after prompt + generated prefix, and its top-2 entries."""
+    cut = input_ids.index(PROMPT_END)
+    prompt, k = "".join(chr(i) for i in input_ids[:cut]), len(input_ids) - cut - 1
+    ar, _ = stub_tokens(prompt, k + 1, "ar")
+    spec, _ = stub_tokens(prompt, k + 1, "dspine")
+    token = spec[k] if prompt == NEAR_TIE_PROMPT else ar[k]
+    return token, [[-0.6, token], [-0.6 - NEAR_TIE_GAP, ar[k] if token != ar[k] else spec[k]]]
+
+
 class StubHandler(JsonHandler):
     """One mode per server ("ar" or "dspine"), set on the server object."""
 
@@ -53,6 +73,11 @@ class StubHandler(JsonHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/flush_cache":
+            self.server.flushed = True
+            return self.send_json({})
+        if self.path == "/generate":
+            return self._prefill(body)
         if self.path != "/v1/chat/completions":
             return self.send_json({"error": "not found"}, 404)
         mode = self.server.mode
@@ -84,6 +109,17 @@ class StubHandler(JsonHandler):
             return self._stream(ids, body)
         self.send_json(self._complete(ids, top2, body, "ar"))
 
+    def _prefill(self, body) -> None:
+        if not self.server.flushed:  # a prefix-cache hit would answer from decode-time KV
+            return self.send_json({"error": "radix cache not flushed before this prefill"}, 400)
+        self.server.flushed = False
+        sp = body["sampling_params"]
+        if (sp["temperature"], sp["max_new_tokens"], body["top_logprobs_num"]) != (0, 1, 2) or not body["return_logprob"]:
+            return self.send_json({"error": f"unexpected prefill request {body}"}, 400)
+        token, top2 = prefill_answer(body["input_ids"])
+        self.send_json({"text": "", "output_ids": [token],
+                        "meta_info": {"output_top_logprobs": [[[lp, t, None] for lp, t in top2]]}})
+
     @staticmethod
     def _tool_call() -> dict:
         call = {"id": "call_0", "type": "function",
@@ -104,6 +140,7 @@ class StubHandler(JsonHandler):
             choice["meta_info"] = meta
         if body.get("return_token_ids"):
             choice["token_ids"] = ids
+            choice["prompt_token_ids"] = prompt_ids(body["messages"][-1]["content"])
         if body.get("logprobs"):
             choice["logprobs"] = {"content": [
                 {"token": p, "logprob": lp[0], "top_logprobs": [{"token": p, "logprob": lp[0]},
@@ -140,7 +177,7 @@ def stub_server():
 
     def start(mode: str) -> str:
         server = start_server(StubHandler)
-        server.mode, server.lock, server.in_flight = mode, threading.Lock(), 0
+        server.mode, server.lock, server.in_flight, server.flushed = mode, threading.Lock(), 0, False
         servers.append(server)
         return server.url
 
@@ -226,6 +263,32 @@ def test_ar_control_compares_the_ar_server_with_itself_at_another_batch_size(stu
     assert bench.main(["--reclassify", "--near-tie-nats", "0.01", "--out-dir", str(out)]) == 0
     again = json.loads((out / "serving_h200.json").read_text())["parity_ar_control"]
     assert (again["other_divergences"], again["concurrency"]) == (1, 4)
+
+
+def test_prefill_check_asks_the_ar_server_last_which_token_its_one_pass_forward_takes(stub_server, prompts_dir,
+                                                                                       tmp_path):
+    """--prefill-check: AR is measured after DSPINE; at the planted near-tie the stub's one-pass
+    prefill takes DSPINE's token, at the planted "other" divergence the AR token (a real fault)."""
+    bench = load_script("bench_serving")
+    ar, dspine = stub_server("ar"), stub_server("dspine")
+    out = tmp_path / "results"
+    assert bench.main(["--url", f"AR={ar}", "--url", f"DSPINE={dspine}", "--prompts", "12", "--max-tokens", "8",
+                       "--concurrency", "1", "--prefill-check", "--out-dir", str(out)]) == 0
+    results = json.loads((out / "serving_h200.json").read_text())
+    assert [lv["algorithm"] for lv in results["levels"]] == ["DSPINE", "AR"]
+    parity = results["parity"]
+    assert parity["prefill_picks"] == {"spec": 1, "ar": 1, "neither": 0}
+    by_id = {d["id"]: d["prefill"] for d in parity["divergences"]}
+    ar_ids = {p: stub_tokens(p, 8, "ar")[0] for p in (NEAR_TIE_PROMPT, OTHER_PROMPT)}
+    spec_ids = {p: stub_tokens(p, 8, "dspine")[0] for p in (NEAR_TIE_PROMPT, OTHER_PROMPT)}
+    near, other = by_id["gsm8k/0"], by_id["math500/0"]
+    assert (near["picks"], near["token"], near["spec_token"], near["ar_token"]) \
+        == ("spec", spec_ids[NEAR_TIE_PROMPT][3], spec_ids[NEAR_TIE_PROMPT][3], ar_ids[NEAR_TIE_PROMPT][3])
+    assert (other["picks"], other["token"]) == ("ar", ar_ids[OTHER_PROMPT][2])
+    assert near["top2"][0] == [-0.6, near["token"]]
+    assert bench.main(["--reclassify", "--near-tie-nats", "0.01", "--out-dir", str(out)]) == 0
+    again = json.loads((out / "serving_h200.json").read_text())["parity"]
+    assert again["prefill_picks"] == parity["prefill_picks"] and again["other_divergences"] == 2
 
 
 def test_spec_flags_go_to_the_speculative_configs_only():
