@@ -25,6 +25,10 @@ unless `--restart`):
   carry per-step `meta_info.dspine_confidence_logits [steps][N]` and `dspine_accept_lens [steps]`
   (a DSPINE server started with `DSPINE_RECORD_CONFIDENCE=1`, as `--preset` does; the worker adds
   no host sync for it); otherwise skipped with a note in the manifest.
+* `calibration_check.json` with `--check-calibration FILE` (a calibration fitted on another split,
+  e.g. the tune run's `sts_affine.json`, checked on this run's acceptance records, e.g. `--split
+  heldout`): predicted vs observed acceptance per position, in points, and survival ECE raw vs
+  calibrated.
 * `manifest.json`, `sps.png` (+ `calibration.png`; skipped without matplotlib), and the
   `dspine serve` command that uses them, printed last.
 """
@@ -54,9 +58,9 @@ from dspine.traces import TraceError, TraceRequest, file_sha256, load_traces, wr
 
 DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
 DEFAULT_VERIFY_TOKENS = 16
-ROUNDS, TABLE, ADDITIVE, ACCEPTANCE, STS, STS_AFFINE, MANIFEST = (
+ROUNDS, TABLE, ADDITIVE, ACCEPTANCE, STS, STS_AFFINE, CHECK, MANIFEST = (
     "rounds.jsonl", "sps_table.json", "sps_table_additive.json", "acceptance.jsonl", "sts.json", "sts_affine.json",
-    "manifest.json")
+    "calibration_check.json", "manifest.json")
 M_BIN = 64          # additive fit: verify-token cells binned by 64, as SGLang's profiler
 _FLAG_KEYS = ("tp_size", "dp_size", "pp_size", "attention_backend", "cuda_graph_max_bs", "cuda_graph_bs",
               "disable_cuda_graph", "max_running_requests", "mem_fraction_static", "enable_dp_attention",
@@ -238,12 +242,9 @@ def collect_acceptance(client: Client, requests: list[TraceRequest], count: int,
     return records
 
 
-def fit_calibration(records: list[dict], dataset: str, affine: bool = False):
-    """PositionCalibration (temperature-only, or `affine`) from the records' per-step logits and
-    accept lengths, or None without them."""
+def recorded_rounds(records: list[dict]):
+    """(logits [n, N] fp64, accepted drafts [n]) over the records' verify steps, or None without them."""
     import torch
-
-    from dspine.dynamic_verification import PositionCalibration
 
     logits, accept = [], []
     for rec in records:
@@ -252,8 +253,39 @@ def fit_calibration(records: list[dict], dataset: str, affine: bool = False):
             accept.extend(rec["dspine_accept_lens"])
     if not logits:
         return None
-    return PositionCalibration.fit(torch.tensor(logits, dtype=torch.float64), torch.tensor(accept), dataset=dataset,
-                                   affine=affine)
+    return torch.tensor(logits, dtype=torch.float64), torch.tensor(accept)
+
+
+def fit_calibration(records: list[dict], dataset: str, affine: bool = False):
+    """PositionCalibration (temperature-only, or `affine`) from the records' per-step logits and
+    accept lengths, or None without them."""
+    from dspine.dynamic_verification import PositionCalibration
+
+    rounds = recorded_rounds(records)
+    if rounds is None:
+        return None
+    return PositionCalibration.fit(*rounds, dataset=dataset, affine=affine)
+
+
+def check_calibration(path: Path, records: list[dict]) -> dict:
+    """A calibration file (fitted elsewhere) against these records: per position the predicted and
+    observed P(accepted drafts >= j) and their gap in points; survival ECE raw (identity) and
+    calibrated. Raises TuningError without recorded confidences or on a width mismatch."""
+    from dspine.dynamic_verification import PositionCalibration
+
+    rounds = recorded_rounds(records)
+    if rounds is None:
+        raise TuningError("--check-calibration: the acceptance records hold no dspine_confidence_logits (start the "
+                          "DSPINE server with DSPINE_RECORD_CONFIDENCE=1)")
+    calibration = PositionCalibration.load(path)
+    try:
+        gaps = calibration.survival_gaps(*rounds)
+    except ValueError as err:
+        raise TuningError(f"--check-calibration {path}: {err}") from None
+    raw = PositionCalibration.identity(rounds[0].shape[1]).calibration_error(*rounds)[1]
+    return {"calibration": str(path), "rounds": int(rounds[0].shape[0]), "ece_raw": raw,
+            "ece_calibrated": calibration.calibration_error(*rounds)[1],
+            "max_abs_gap_points": max(abs(g["gap_points"]) for g in gaps), "positions": gaps}
 
 
 # ------------------------------------------------------------------------------------ outputs
@@ -322,18 +354,18 @@ def serve_command(preset: str | None, info: dict, table: Path, sts: Path | None)
 
 def manifest(args, info: dict, traces: list[Path], requests: list[TraceRequest], rounds: list[dict],
              files: dict, notes: list[str], command: str, verify_tokens: int) -> dict:
-    gpu = next((info[k] for k in ("gpu_name", "device_name", "gpu") if info.get(k)), None)
+    gpu = args.gpu or next((info[k] for k in ("gpu_name", "device_name", "gpu") if info.get(k)), None)
     return {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "server": args.url or f"preset {args.preset}",
-        "gpu": gpu or "unknown (not in /server_info)",
+        "gpu": gpu or "unknown (not in /server_info; pass --gpu)",
         "sglang_version": info.get("version"),
         "target": info.get("model_path"),
         "drafter": info.get("speculative_draft_model_path"),
         "speculative_algorithm": info.get("speculative_algorithm"),
         "verify_tokens": verify_tokens,
         "flags": {k: v for k, v in info.items() if k in _FLAG_KEYS or k.startswith("speculative_")},
-        "cuda_graph_sizes": {k: info.get(k) for k in ("cuda_graph_bs", "cuda_graph_max_bs")},
+        "cuda_graph_sizes": {k: v for k, v in info.items() if k.startswith("cuda_graph") and v is not None},
         "traces": [{"path": str(p), "sha256": file_sha256(p)} for p in traces],
         "split": args.split,
         "requests": len(requests),
@@ -413,6 +445,13 @@ def tune(args, url: str, requests: list[TraceRequest]) -> int:
         verify_tokens = DEFAULT_VERIFY_TOKENS
         notes.append(f"verify tokens per request unknown (no speculative_num_draft_tokens in /server_info): "
                      f"assumed {DEFAULT_VERIFY_TOKENS}; pass --verify-tokens")
+    if args.check_calibration:  # the file was read before; now its width against this deployment's
+        from dspine.dynamic_verification import PositionCalibration
+        width = len(PositionCalibration.load(args.check_calibration).temperatures)
+        if width != verify_tokens - 1:
+            raise TuningError(f"--check-calibration {args.check_calibration}: {width} temperatures, but this server "
+                              f"verifies {verify_tokens} tokens per request ({verify_tokens - 1} proposals): use a "
+                              "calibration fitted on this drafter and block size")
     dp_size = int(info.get("dp_size") or 1)
     model = args.model or info.get("served_model_name") or info.get("model_path")
 
@@ -448,7 +487,7 @@ def tune(args, url: str, requests: list[TraceRequest]) -> int:
                      "/ latency, exact only with SGLANG_SIMULATE_ACC_LEN=1.0; start the server with "
                      "SGLANG_RECORD_STEP_TIME=1 for server-side step times")
 
-    graph_max = info.get("cuda_graph_max_bs")
+    graph_max = info.get("cuda_graph_max_bs") or info.get("cuda_graph_max_bs_decode")  # 0.5.17+: per phase
     table = fit_diagonal(rounds, int(graph_max) * verify_tokens if isinstance(graph_max, int) else None)
     write_text_atomic(out / TABLE, sps_table_to_json(table))
     files = {"rounds": ROUNDS, "sps_table": TABLE}
@@ -480,6 +519,13 @@ def tune(args, url: str, requests: list[TraceRequest]) -> int:
         notes.append("STS calibration skipped: /generate meta_info has no per-step dspine_confidence_logits / "
                      "dspine_accept_lens (start the DSPINE server with DSPINE_RECORD_CONFIDENCE=1)"
                      if records else "STS calibration skipped: --acceptance-requests 0")
+    if args.check_calibration:
+        check = check_calibration(Path(args.check_calibration), records)
+        write_text_atomic(out / CHECK, json.dumps(check, indent=2) + "\n")
+        files["calibration_check"] = CHECK
+        notes.append(f"{args.check_calibration} on this run's {check['rounds']} verify steps: largest gap "
+                     f"{check['max_abs_gap_points']:.1f} points, survival ECE {check['ece_raw']:.4f} raw -> "
+                     f"{check['ece_calibrated']:.4f} calibrated")
 
     try:
         for name in plot_outputs(out, rounds, table, calibration):
@@ -524,6 +570,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model name for requests (default: from /server_info)")
     parser.add_argument("--acceptance-requests", type=int, default=32,
                         help="/generate calls for acceptance records (0 = skip calibration)")
+    parser.add_argument("--check-calibration", metavar="FILE", default=None,
+                        help="check a calibration fitted on another split (e.g. the tune run's sts_affine.json) on "
+                             "this run's acceptance records, e.g. with --split heldout: writes calibration_check.json")
+    parser.add_argument("--gpu", default=None, help="GPU name for the manifest (SGLang's /server_info has none)")
     parser.add_argument("--level-timeout", type=float, default=600.0, help="seconds per level before stopping")
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--startup-timeout", type=float, default=1200.0, help="--preset: seconds to wait for it")
@@ -534,6 +584,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, serve_args: list[str]) -> int:
     try:
         requests = load_traces(args.traces, split=args.split)       # before any server is started
+        if args.check_calibration:
+            from dspine.dynamic_verification import PositionCalibration
+            try:
+                PositionCalibration.load(args.check_calibration)
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                raise TuningError(f"--check-calibration {args.check_calibration}: {err}") from None
         if args.url:
             if serve_args:
                 raise TuningError(f"unexpected arguments {serve_args}: sglang flags apply only with --preset")

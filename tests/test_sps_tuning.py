@@ -142,6 +142,34 @@ def test_server_step_times_resume_manifest_and_command(stub, tmp_path, capsys):
     assert {json.loads(line)["concurrency"] for line in (out / "rounds.jsonl").read_text().splitlines()} == {1}
 
 
+@pytest.mark.parametrize("stub", [True], indirect=True)
+def test_check_calibration_on_another_split(stub, tmp_path, capsys):
+    """A calibration fitted on one run checked on a second run's records (the stub draws both from
+    the same true temperatures): calibrated survival is within a few points per position and its
+    ECE beats the raw head's; a width mismatch or a missing file is refused before any replay."""
+    tuned, held = tmp_path / "tune", tmp_path / "heldout"
+    assert tune(stub, tuned, "--concurrencies", "1", "--acceptance-requests", "16") == 0
+    fitted = tuned / "sts_affine.json"
+    assert tune(stub, held, "--concurrencies", "1", "--acceptance-requests", "16", "--check-calibration",
+                str(fitted), "--gpu", "Named GPU") == 0
+    check = json.loads((held / "calibration_check.json").read_text())
+    assert check["rounds"] == 16 * 20 and len(check["positions"]) == len(TRUE_TEMPS)
+    assert check["max_abs_gap_points"] < 8.0
+    assert check["ece_calibrated"] < check["ece_raw"]
+    manifest = json.loads((held / "manifest.json").read_text())
+    assert manifest["gpu"] == "Named GPU" and manifest["files"]["calibration_check"] == "calibration_check.json"
+    assert manifest["cuda_graph_sizes"] == {"cuda_graph_max_bs": 8}
+
+    wrong = tmp_path / "five.json"
+    PositionCalibration.identity(5).save(wrong)
+    calls = stub.chat_calls
+    assert tune(stub, tmp_path / "w", "--concurrencies", "1", "--acceptance-requests", "2",
+                "--check-calibration", str(wrong)) == 2
+    assert "5 temperatures" in capsys.readouterr().err
+    assert tune(stub, tmp_path / "m", "--concurrencies", "1", "--check-calibration", str(tmp_path / "none.json")) == 2
+    assert stub.chat_calls == calls and "--check-calibration" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("stub", [False], indirect=True)
 def test_client_timing_without_step_time_dict(stub, tmp_path, capsys):
     out = tmp_path / "sps"
