@@ -459,22 +459,33 @@ class DynamicVerifier:
 
     Even a plan that verifies nothing pays for the draft, so under heavy load (or with a drafter
     too slow for its target) the best plan can be slower than plain decoding. With `plain_table`
-    (step_seconds(n, 0) = one plain step of n rows), every planned round compares its expected
-    tokens/s with plain decoding's, n / T_plain(n). When plain decoding is faster, the next
-    `backoff` rounds decode plainly, then one round drafts again to re-measure; `backoff` doubles
-    (1, 2, 4, .. up to `max_backoff`) while such probes keep losing and resets to 1 when one wins.
-    The switch only picks between two lossless steps, so outputs never change.
+    (step_seconds(n, 0) = T_plain(n), one plain step of n rows), every planned round is compared
+    with plain decoding: the round's predicted time minus the time plain decoding needs for the
+    same expected tokens is its loss, loss = T_round - tau* x T_plain(n) / n. A round that loses
+    is a probe, and the next k rounds decode plainly, k = ceil(loss / (probe_share x T_plain(n)))
+    (at most `max_backoff`): probes then cost about `probe_share` of the decoding time, and a
+    probe that nearly wins comes back sooner than one that loses badly. A winning plan drafts
+    again at once. With `prior_survival` ([N], the mean survival per position observed when the
+    calibration was fitted) the first round is decided the same way before any draft, so a batch
+    that cannot win does not pay for a first probe. The switch only picks between two lossless
+    steps, so outputs never change.
 
     Attributes after a run: `plans` planned rounds, `plain_rounds` rounds decoded plainly.
     """
 
     def __init__(self, planner: VerifyPlanner, calibration: PositionCalibration | None = None,
-                 plain_table: CostTable | None = None, max_backoff: int = 64):
+                 plain_table: CostTable | None = None, *, probe_share: float = 0.02, max_backoff: int = 1024,
+                 prior_survival: Tensor | None = None):
         if max_backoff < 1:
             raise ValueError(f"max_backoff={max_backoff}: must be >= 1 (plain rounds before a probe)")
+        if not 0 < probe_share <= 1:
+            raise ValueError(f"probe_share={probe_share}: must lie in (0, 1] (the share of decoding time probes "
+                             "may cost)")
+        if prior_survival is not None and (prior_survival.dim() != 1 or plain_table is None):
+            raise ValueError("prior_survival must be [N] (mean survival per position) and needs a plain_table")
         self.planner, self.calibration, self.plain_table = planner, calibration, plain_table
-        self.max_backoff = max_backoff
-        self.backoff, self.skip = 1, 0
+        self.probe_share, self.max_backoff, self.prior_survival = probe_share, max_backoff, prior_survival
+        self.skip, self.started = 0, False
         self.plans = self.plain_rounds = 0
 
     def __call__(self, prop: Proposal) -> Tensor:
@@ -485,16 +496,25 @@ class DynamicVerifier:
             confidence_logits(prop.confidence))
         plan = self.planner.plan(probs.cumprod(-1))
         self.plans += 1
-        if self.plain_table is not None:
-            rows = prop.tokens.shape[0]
-            plain_rate = rows / float(self.plain_table.step_seconds(rows, torch.zeros(1, dtype=torch.long))[0])
-            if plan.tokens_per_s < plain_rate:
-                self.skip, self.backoff = self.backoff, min(2 * self.backoff, self.max_backoff)
-            else:
-                self.backoff = 1
+        self.skip = self.plain_rounds_after(plan, prop.tokens.shape[0])
         return plan.verify_lens.to(prop.tokens.device)
 
+    def plain_rounds_after(self, plan: VerifyPlan, rows: int) -> int:
+        """How many rounds to decode plainly after `plan` (0: keep drafting; see the class docstring)."""
+        if self.plain_table is None:
+            return 0
+        t_plain = float(self.plain_table.step_seconds(rows, torch.zeros(1, dtype=torch.long))[0])
+        loss = plan.step_seconds - plan.expected_tokens * t_plain / rows
+        if loss <= 0:
+            return 0
+        return min(math.ceil(loss / (self.probe_share * t_plain)), self.max_backoff)
+
     def speculate(self, rows: int) -> bool:
+        if not self.started:
+            self.started = True
+            if self.prior_survival is not None:
+                self.skip = self.plain_rounds_after(self.planner.plan(self.prior_survival.double().expand(rows, -1)),
+                                                    rows)
         if self.skip > 0:
             self.skip -= 1
             self.plain_rounds += 1
@@ -503,10 +523,10 @@ class DynamicVerifier:
 
 
 def make_verify_budget(planner: VerifyPlanner, calibration: PositionCalibration | None = None,
-                       plain_table: CostTable | None = None) -> DynamicVerifier:
-    """A `verify_budget` for `dspine.generate` (see `DynamicVerifier`; without `plain_table` every
-    round drafts)."""
-    return DynamicVerifier(planner, calibration, plain_table)
+                       plain_table: CostTable | None = None, **switch) -> DynamicVerifier:
+    """A `verify_budget` for `dspine.generate` (see `DynamicVerifier`, which takes `switch`'s
+    probe_share / max_backoff / prior_survival; without `plain_table` every round drafts)."""
+    return DynamicVerifier(planner, calibration, plain_table, **switch)
 
 
 # ------------------------------------------------------------------------------------ recording
@@ -557,6 +577,13 @@ class ConfidenceRecorder:
     def accept_len(self) -> Tensor:
         """[rounds·rows] proposals accepted, in 0..N."""
         return torch.cat(self._accept) if self._accept else torch.zeros(0, dtype=torch.long)
+
+    @property
+    def observed_survival(self) -> Tensor:
+        """[N] fp64: the share of recorded rounds that accepted at least j+1 proposals (a
+        `DynamicVerifier`'s `prior_survival`)."""
+        n = self.logits.shape[1]
+        return (self.accept_len[:, None] > torch.arange(n)).double().mean(0)
 
     def fit(self, **kwargs) -> PositionCalibration:
         """`PositionCalibration.fit` on everything recorded so far."""

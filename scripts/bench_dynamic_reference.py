@@ -14,7 +14,9 @@ loop there, with no server:
    ShareGPT held-out split (`dspine.datasets`, also never in the drafter's training data). At each
    concurrency: AR (plain decoding), DSPINE-static (verify every proposal) and DSPINE-dynamic
    (`DynamicVerifier`: `VerifyPlanner(table, layout="padded")` on the calibrated confidences, and
-   plain decoding, with backed-off probes, while the best plan is slower than T_plain). Greedy;
+   plain decoding while the best plan is slower than T_plain: a losing probe buys as many plain
+   rounds as keep probes at `--probe-share` of the time, and the tune split's observed survival
+   decides the first round before any draft). Greedy;
    every speculative output is compared with AR's token by token (fp32: they must be identical).
 3. The calibration is checked on the held-out rounds of the static run (survival ECE, and the
    largest gap per position between predicted and observed acceptance).
@@ -187,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heldout-requests", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--probe-share", type=float, default=0.02,
+                   help="share of decoding time the speculation switch may spend on losing probes")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, required=True, help="result JSON (the plot goes beside it)")
     args = p.parse_args(argv)
@@ -207,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     recorder = ConfidenceRecorder(drafter)
     generate(target, recorder, tune, max_new_tokens=args.max_new_tokens, stop_token_ids=stops, batch_size=16)
     calibration = recorder.fit(dataset="dev traces, tune split", affine=True)
+    prior = recorder.observed_survival
     print("tune 2/2: round time per (concurrency, verify width)", flush=True)
     cells, plain = measure_cells(target, drafter, tune, concurrencies, widths, args.cell_rounds)
     table, plain_table = fit_additive(cells) or fit_diagonal(cells), plain_step_table(plain)
@@ -216,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     runs, logits, accepts = [], [], []
     for c in concurrencies:
         level = run_level(target, drafter, held, stops, c, args.max_new_tokens,
-                          DynamicVerifier(planner, calibration, plain_table))
+                          DynamicVerifier(planner, calibration, plain_table, probe_share=args.probe_share,
+                                          prior_survival=prior))
         runs += level["runs"]
         logits.append(level["recorder"].logits)
         accepts.append(level["recorder"].accept_len)
@@ -237,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
               "runs": runs, "cells": cells, "plain_cells": plain, "sps_table": json.loads(sps_table_to_json(table)),
               "plain_step_table": json.loads(sps_table_to_json(plain_table)),
               "calibration": json.loads(calibration.to_json()),
+              "switch": {"probe_share": args.probe_share, "prior_survival": prior.tolist()},
               "heldout_calibration": {"rounds": int(held_logits.shape[0]), "survival_ece_raw": ece_before,
                                       "survival_ece": ece_after,
                                       "largest_gap_points": max(abs(g["gap_points"]) for g in gaps),

@@ -15,7 +15,7 @@ from conftest import drafter_for, fixed_prompts
 from dspine import generate
 from dspine.dynamic_verification import (ConfidenceRecorder, DynamicVerifier, FlatCostTable, PositionCalibration,
                                          SpsAdditiveCostTable, SpsCostTable, VerifyPlanner, expected_calibration_error, load_sps_table,
-                                         make_verify_budget, sps_table_from_json, sps_table_to_json)
+                                         VerifyPlan, make_verify_budget, sps_table_from_json, sps_table_to_json)
 from dspine.proposer import Proposal
 
 
@@ -369,19 +369,44 @@ def round_kinds(stats, width: int) -> str:
     return "".join(kinds[t.verify_tokens] for t in stats.round_timings)
 
 
-def test_switch_decodes_plainly_while_drafting_loses_and_probes_with_backoff(llama_target, plain):
+# KnownPrefixProposer's survival: 0.95, 0.95^2, 0.95^3, then x0.05: tau* = 1 + 2.755 tokens per row
+# when everything is verified (a flat cost makes that the plan). A drafting round costs 1 s, a plain
+# step 0.2 s: loss = 1 - 3.755 x 0.2 = 0.249 s; with probe_share 0.5, k = ceil(0.249 / 0.1) = 3.
+ONE_SECOND_ROUND = SpsCostTable((1,), (1.0,), max_batch_tokens=1)
+PLAIN_STEP = SpsCostTable((1,), (5.0,), max_batch_tokens=1)
+
+
+def test_switch_decodes_plainly_for_the_rounds_a_probe_loses(llama_target, plain):
     prompts, truth = plain
     recorder = ConfidenceRecorder(KnownPrefixProposer(prompts, truth, k=3))
-    cheap_plain = SpsCostTable((1,), (1e6,), max_batch_tokens=1)          # plain steps nearly free
-    verifier = make_verify_budget(VerifyPlanner(), plain_table=cheap_plain)
+    verifier = make_verify_budget(VerifyPlanner(ONE_SECOND_ROUND), plain_table=PLAIN_STEP, probe_share=0.5)
+    assert verifier.plain_rounds_after(VerifyPlan(0, torch.zeros(1), 3.755, 1.0), 1) == 3
     out = generate(llama_target, recorder, prompts, max_new_tokens=MAX_NEW, stop_token_ids=[],
                    verify_budget=verifier)
     assert out.tokens == [t[:MAX_NEW] for t in truth]
-    # Drafting rounds come after 1, 2, 4, ... plain steps; each emits 4 tokens (3 accepted + bonus).
-    assert round_kinds(out.stats, 7) == "SPSPPSPPPPS"                   # 1 + 4+1+4+2+4+4+4 = 24 tokens
-    assert verifier.plans == 4 and verifier.plain_rounds == 7
+    # Each drafting round emits 4 tokens (3 accepted + bonus), then 3 plain steps: 1 + 4+3+4+3+4+3+4 = 26.
+    assert round_kinds(out.stats, 7) == "SPPPSPPPSPPPS"
+    assert verifier.plans == 4 and verifier.plain_rounds == 9
     # The drafter followed the plain steps too: every drafting round still accepted exactly 3.
     assert recorder.accept_len.tolist() == [3] * 4 * PROMPTS
+    assert recorder.observed_survival.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_prior_survival_decides_the_first_round_before_any_draft(llama_target, plain):
+    prompts, truth = plain
+    prior = torch.tensor([0.95, 0.95, 0.95, 0.05, 0.05, 0.05, 0.05], dtype=torch.float64).cumprod(0)
+    verifier = make_verify_budget(VerifyPlanner(ONE_SECOND_ROUND), plain_table=PLAIN_STEP, probe_share=0.5,
+                                  prior_survival=prior)
+    out = generate(llama_target, KnownPrefixProposer(prompts, truth, k=3), prompts, max_new_tokens=MAX_NEW,
+                   stop_token_ids=[], verify_budget=verifier)
+    assert out.tokens == [t[:MAX_NEW] for t in truth]
+    assert round_kinds(out.stats, 7) == "PPPSPPPSPPPSPP"                  # 1 + 3+4+3+4+3+4+2 = 24
+    # A prior that wins drafts from the first round on.
+    eager = make_verify_budget(VerifyPlanner(ONE_SECOND_ROUND), plain_table=SpsCostTable((1,), (0.1,), max_batch_tokens=1),
+                               prior_survival=prior)
+    out = generate(llama_target, KnownPrefixProposer(prompts, truth, k=3), prompts, max_new_tokens=MAX_NEW,
+                   stop_token_ids=[], verify_budget=eager)
+    assert set(round_kinds(out.stats, 7)) == {"S"} and eager.plain_rounds == 0
 
 
 def test_switch_keeps_drafting_while_drafting_wins(llama_target, plain):
@@ -394,6 +419,10 @@ def test_switch_keeps_drafting_while_drafting_wins(llama_target, plain):
     assert verifier.plain_rounds == 0 and verifier.plans == out.stats.rounds
     with pytest.raises(ValueError, match="max_backoff"):
         DynamicVerifier(VerifyPlanner(), max_backoff=0)
+    with pytest.raises(ValueError, match="probe_share"):
+        DynamicVerifier(VerifyPlanner(), probe_share=0.0)
+    with pytest.raises(ValueError, match="prior_survival"):
+        DynamicVerifier(VerifyPlanner(), prior_survival=torch.ones(7))
 
 
 @pytest.mark.parametrize("tokens_per_row,expect", [(0, 1.0), (2, None)], ids=["steep", "partial"])
