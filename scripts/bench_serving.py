@@ -32,7 +32,7 @@ leaves what was measured):
   serial ones exactly as the DSPINE server's (plain decoding against itself at another batch size).
   `--prefill-check` asks the target itself, at each divergence: the AR server (measured last, so
   the speculative tokens are known) flushes its radix cache and prefills prompt + the common prefix
-  in one multi-token forward (as a verify computes it), and its greedy next token is recorded with
+  in one multi-token forward (the kind of forward a verify is), and its greedy next token is recorded with
   its top-2 logprobs (`prefill` in each divergence: `picks` "spec", "ar" or "neither";
   `prefill_picks` counts them per parity block). A divergence whose prefill picks the speculative
   server's token is a choice the target's own multi-token forward makes: bf16 forward-mode noise,
