@@ -267,17 +267,17 @@ def fit_calibration(records: list[dict], dataset: str, affine: bool = False):
     return PositionCalibration.fit(*rounds, dataset=dataset, affine=affine)
 
 
-def check_calibration(path: Path, records: list[dict]) -> dict:
-    """A calibration file (fitted elsewhere) against these records: per position the predicted and
-    observed P(accepted drafts >= j) and their gap in points; survival ECE raw (identity) and
-    calibrated. Raises TuningError without recorded confidences or on a width mismatch."""
+def check_calibration(calibration, path: Path, records: list[dict]) -> dict:
+    """`calibration` (a PositionCalibration fitted elsewhere, read from `path`) against these
+    records: per position the predicted and observed P(accepted drafts >= j) and their gap in
+    points; survival ECE raw (identity) and calibrated. Raises TuningError without recorded
+    confidences or on a width mismatch."""
     from dspine.dynamic_verification import PositionCalibration
 
     rounds = recorded_rounds(records)
     if rounds is None:
         raise TuningError("--check-calibration: the acceptance records hold no dspine_confidence_logits (start the "
                           "DSPINE server with DSPINE_RECORD_CONFIDENCE=1)")
-    calibration = PositionCalibration.load(path)
     try:
         gaps = calibration.survival_gaps(*rounds)
     except ValueError as err:
@@ -425,8 +425,9 @@ def launched_server(preset: str, serve_args: list[str], log_path: Path, startup_
 
 
 # ------------------------------------------------------------------------------------ the sweep
-def tune(args, url: str, requests: list[TraceRequest]) -> int:
-    """The sweep, the fits and the outputs in args.out for the server at `url`."""
+def tune(args, url: str, requests: list[TraceRequest], reference=None) -> int:
+    """The sweep, the fits and the outputs in args.out for the server at `url`; `reference`: the
+    `--check-calibration` file's PositionCalibration (read before any server started), or None."""
     from tqdm import tqdm
 
     from dspine.dynamic_verification import sps_table_to_json
@@ -445,9 +446,8 @@ def tune(args, url: str, requests: list[TraceRequest]) -> int:
         verify_tokens = DEFAULT_VERIFY_TOKENS
         notes.append(f"verify tokens per request unknown (no speculative_num_draft_tokens in /server_info): "
                      f"assumed {DEFAULT_VERIFY_TOKENS}; pass --verify-tokens")
-    if args.check_calibration:  # the file was read before; now its width against this deployment's
-        from dspine.dynamic_verification import PositionCalibration
-        width = len(PositionCalibration.load(args.check_calibration).temperatures)
+    if reference is not None:  # its width against this deployment's, before the sweep
+        width = len(reference.temperatures)
         if width != verify_tokens - 1:
             raise TuningError(f"--check-calibration {args.check_calibration}: {width} temperatures, but this server "
                               f"verifies {verify_tokens} tokens per request ({verify_tokens - 1} proposals): use a "
@@ -519,8 +519,8 @@ def tune(args, url: str, requests: list[TraceRequest]) -> int:
         notes.append("STS calibration skipped: /generate meta_info has no per-step dspine_confidence_logits / "
                      "dspine_accept_lens (start the DSPINE server with DSPINE_RECORD_CONFIDENCE=1)"
                      if records else "STS calibration skipped: --acceptance-requests 0")
-    if args.check_calibration:
-        check = check_calibration(Path(args.check_calibration), records)
+    if reference is not None:
+        check = check_calibration(reference, Path(args.check_calibration), records)
         write_text_atomic(out / CHECK, json.dumps(check, indent=2) + "\n")
         files["calibration_check"] = CHECK
         notes.append(f"{args.check_calibration} on this run's {check['rounds']} verify steps: largest gap "
@@ -584,20 +584,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, serve_args: list[str]) -> int:
     try:
         requests = load_traces(args.traces, split=args.split)       # before any server is started
+        reference = None
         if args.check_calibration:
             from dspine.dynamic_verification import PositionCalibration
             try:
-                PositionCalibration.load(args.check_calibration)
+                reference = PositionCalibration.load(args.check_calibration)
             except (OSError, ValueError, KeyError, TypeError) as err:
                 raise TuningError(f"--check-calibration {args.check_calibration}: {err}") from None
         if args.url:
             if serve_args:
                 raise TuningError(f"unexpected arguments {serve_args}: sglang flags apply only with --preset")
-            return tune(args, args.url, requests)
+            return tune(args, args.url, requests, reference)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         with launched_server(args.preset, serve_args, out / "server.log", args.startup_timeout) as url:
-            return tune(args, url, requests)
+            return tune(args, url, requests, reference)
     except (TraceError, TuningError, OSError) as err:
         print(f"tune-sps: error: {err}", file=sys.stderr)
         return 2
