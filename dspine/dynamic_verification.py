@@ -452,6 +452,16 @@ def confidence_logits(confidence: Tensor) -> Tensor:
     return torch.logit(confidence.double(), eps=_LOGIT_EPS)
 
 
+def backoff_rounds(loss: float, t_plain: float, probe_share: float, max_backoff: int) -> int:
+    """Plain rounds to decode after a drafting round predicted to lose `loss` seconds against plain
+    decoding (steps of `t_plain` seconds): 0 when it does not lose, else
+    ceil(loss / (probe_share x t_plain)) capped at `max_backoff`, so that losing probes cost about
+    `probe_share` of the decoding time and a near-miss is retried sooner than a bad loss."""
+    if loss <= 0:
+        return 0
+    return min(math.ceil(loss / (probe_share * t_plain)), max_backoff)
+
+
 class DynamicVerifier:
     """The reference engine's dynamic verification: a `verify_budget` (calibrated survival of every
     row -> the planner's verify lengths) and, given the cost of a plain decoding step, a
@@ -505,9 +515,7 @@ class DynamicVerifier:
             return 0
         t_plain = float(self.plain_table.step_seconds(rows, torch.zeros(1, dtype=torch.long))[0])
         loss = plan.step_seconds - plan.expected_tokens * t_plain / rows
-        if loss <= 0:
-            return 0
-        return min(math.ceil(loss / (self.probe_share * t_plain)), self.max_backoff)
+        return backoff_rounds(loss, t_plain, self.probe_share, self.max_backoff)
 
     def speculate(self, rows: int) -> bool:
         if not self.started:

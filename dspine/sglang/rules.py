@@ -137,3 +137,26 @@ def check_replayssm(enabled: bool, cache_len: int | None, num_draft_tokens: int,
         raise FlagError(f"{RAGGED_VERIFY_ENV}={verify_mode} with {flag}: ReplaySSM's GDN ring kernels take "
                         f"static verify windows only, and SGLang allows other modes for DFLASH/DSPARK only. "
                         f"Fix: unset {RAGGED_VERIFY_ENV} or set it to static.")
+
+
+SWITCH_FILE_ENV = "DSPINE_DYNAMIC"   # a switch file (dspine.serving_switch): draft or decode plainly per step
+FORCE_STEP_ENV = "DSPINE_SWITCH"     # "plain" | "draft": every decode step one kind (tables, diagnostics)
+FORCED_STEPS = ("plain", "draft")
+
+
+def resolve_step_switch(environ) -> tuple[str, str | None]:
+    """The decode-step policy a DSPINE server's environment asks for: ("static", None) by default,
+    ("dynamic", switch file) with DSPINE_DYNAMIC, ("plain"|"draft", None) with DSPINE_SWITCH."""
+    path, forced = environ.get(SWITCH_FILE_ENV) or None, environ.get(FORCE_STEP_ENV) or None
+    if forced is not None and forced not in FORCED_STEPS:
+        raise FlagError(f"{FORCE_STEP_ENV}={forced!r}: use 'plain' (every decode step one plain token per "
+                        f"request, e.g. to measure the plain-step table) or 'draft' (every step drafts), or unset it")
+    if path is not None and forced is not None:
+        raise FlagError(f"{SWITCH_FILE_ENV} and {FORCE_STEP_ENV} are both set: the switch file decides per step, "
+                        f"{FORCE_STEP_ENV} forces one kind of step. Fix: unset one of them")
+    if path is not None:
+        if not Path(path).is_file():
+            raise FlagError(f"{SWITCH_FILE_ENV}={path}: no such file. Fix: point it at the switch.json that "
+                            "`dspine tune-sps --plain-table ...` wrote")
+        return "dynamic", path
+    return (forced, None) if forced is not None else ("static", None)

@@ -1,0 +1,127 @@
+"""The SGLang worker's speculation switch (`dspine.serving_switch`), host side: decisions against a
+hand computation of the loss rule, the probe pattern, the confidence update, the switch file and the
+server-environment rules."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dspine.dynamic_verification import PositionCalibration, SpsCostTable
+from dspine.serving_switch import ServingSwitch, SwitchConfig, SwitchConfigError, write_switch_file
+from dspine.sglang.rules import FlagError, resolve_step_switch
+
+BLOCK = 4                                   # anchor + 3 proposals
+PLAIN = SpsCostTable((1, 4, 16), (1000.0, 800.0, 400.0), 16)               # T_plain: 1.0 / 1.25 / 2.5 ms
+ROUND = SpsCostTable((4, 16, 64), (400.0, 300.0, 100.0), 64)               # T_round: 2.5 / 3.33 / 10 ms
+
+
+def config(prior, calibration=None, probe_share=0.02, max_backoff=1024) -> SwitchConfig:
+    return SwitchConfig(ROUND, PLAIN, calibration, tuple(prior), probe_share, max_backoff)
+
+
+def loss_by_hand(n: int, expected_per_request: float) -> tuple[float, float]:
+    """T_round(n) from ROUND at n·BLOCK tokens, T_plain(n) from PLAIN at n (floor probes)."""
+    t_round = {1: 1 / 400, 4: 1 / 300, 16: 1 / 100}[n]
+    t_plain = {1: 1 / 1000, 4: 1 / 800, 16: 1 / 400}[n]
+    return t_round - n * (1 + expected_per_request) * t_plain / n, t_plain
+
+
+def test_losing_prior_backs_off_then_probes():
+    """Prior 1.05 expected proposals: at one request a drafting step (2.5 ms, 2.05 tokens) loses to
+    2.05 plain steps (2.05 ms) by 0.45 ms -> k = ceil(0.45 / (0.02 x 1.0)) = 23 plain steps, then a probe."""
+    prior = [0.6, 0.3, 0.15]
+    switch = ServingSwitch(config(prior), BLOCK)
+    loss, t_plain = loss_by_hand(1, sum(prior))
+    k = math.ceil(loss / (0.02 * t_plain))
+    assert k == 23
+    pattern = "".join("D" if switch.decide(["a"]) else "P" for _ in range(2 * k + 2))
+    assert pattern == "P" * k + "D" + "P" * k + "D"
+    assert (switch.plain, switch.drafted) == (2 * k, 2)
+
+
+def test_confident_requests_draft_every_step_and_observe_updates_them():
+    """At 4 requests a drafting step costs 3.33 ms against 1.25 ms per plain step: it pays once each
+    request expects more than 1.67 accepted proposals. Low prior -> plain; after `observe` reports
+    confident rows (sigmoid(4)^j cumulated ~ 2.9), every step drafts; a request without a record
+    falls back to the prior."""
+    switch = ServingSwitch(config([0.3, 0.1, 0.0]), BLOCK)
+    rids = ["a", "b", "c", "d"]
+    assert switch.decide(rids) is False
+    switch.skip, switch.probe_due = 0, False
+    switch.observe(rids, torch.full((4, 3), 4.0))
+    p = 1 / (1 + math.exp(-4.0))
+    assert switch.expected["a"] == pytest.approx(p + p * p + p ** 3)
+    assert all(switch.decide(rids) for _ in range(10))
+    loss, _ = switch.loss(rids)
+    assert loss == pytest.approx(loss_by_hand(4, p + p * p + p ** 3)[0])
+    mixed = ["a", "b", "c", "new"]
+    assert switch.loss(mixed)[0] == pytest.approx(1 / 300 - (4 + 3 * (p + p * p + p ** 3) + 0.4) * (1 / 800) / 4)
+
+
+def test_calibration_is_applied_before_the_cumprod():
+    """observe goes through the per-position calibration: a bias of -8 at position 1 makes every later
+    position's survival near zero, whatever the raw logits."""
+    calibration = PositionCalibration((1.0, 1.0, 1.0), biases=(0.0, -8.0, 0.0))
+    switch = ServingSwitch(config([0.5, 0.2, 0.1], calibration), BLOCK)
+    switch.observe(["a"], torch.tensor([[0.0, 3.0, 3.0]]))
+    s1 = 0.5
+    s2 = s1 / (1 + math.exp(-(3.0 - 8.0)))
+    s3 = s2 / (1 + math.exp(-3.0))
+    assert switch.expected["a"] == pytest.approx(s1 + s2 + s3)
+
+
+def test_memory_is_bounded_to_running_requests():
+    switch = ServingSwitch(config([0.5, 0.2, 0.1]), BLOCK)
+    switch.observe([str(i) for i in range(300)], torch.zeros(300, 3))
+    switch.decide(["0", "1"])
+    assert set(switch.expected) == {"0", "1"}
+
+
+def test_switch_file_round_trip_and_errors(tmp_path):
+    (tmp_path / "round.json").write_text(json.dumps({"sample_batch_tokens": [4, 16, 64],
+                                                     "sample_steps_per_sec": [400.0, 300.0, 100.0],
+                                                     "max_batch_tokens": 64}))
+    (tmp_path / "plain.json").write_text(json.dumps({"sample_batch_tokens": [1, 4, 16],
+                                                     "sample_steps_per_sec": [1000.0, 800.0, 400.0],
+                                                     "max_batch_tokens": 16}))
+    PositionCalibration((1.0, 2.0, 3.0)).save(tmp_path / "sts.json")
+    path = tmp_path / "switch.json"
+    write_switch_file(path, round_table="round.json", plain_table="plain.json", calibration="sts.json",
+                      prior_survival=[0.5, 0.25, 0.1])
+    loaded = SwitchConfig.load(path)
+    assert loaded == config([0.5, 0.25, 0.1], PositionCalibration((1.0, 2.0, 3.0)))
+
+    with pytest.raises(SwitchConfigError, match="non-increasing"):
+        write_switch_file(tmp_path / "bad.json", round_table="round.json", plain_table="plain.json",
+                          calibration=None, prior_survival=[0.2, 0.5, 0.1])
+    assert not (tmp_path / "bad.json").exists() and not (tmp_path / "bad.json.tmp").exists()
+    with pytest.raises(SwitchConfigError, match="3 positions but prior_survival 2"):
+        write_switch_file(tmp_path / "w.json", round_table="round.json", plain_table="plain.json",
+                          calibration="sts.json", prior_survival=[0.5, 0.2])
+    with pytest.raises(SwitchConfigError, match="plain_table"):
+        write_switch_file(tmp_path / "m.json", round_table="round.json", plain_table="missing.json",
+                          calibration=None, prior_survival=[0.5, 0.2, 0.1])
+    bad = dict(json.loads(path.read_text()), extra=1)
+    (tmp_path / "u.json").write_text(json.dumps(bad))
+    with pytest.raises(SwitchConfigError, match="unknown field"):
+        SwitchConfig.load(tmp_path / "u.json")
+    with pytest.raises(SwitchConfigError, match="proposes 4 per block"):
+        ServingSwitch(loaded, 5)
+
+
+def test_server_environment_rules(tmp_path):
+    switch_file = tmp_path / "switch.json"
+    switch_file.write_text("{}")
+    assert resolve_step_switch({}) == ("static", None)
+    assert resolve_step_switch({"DSPINE_SWITCH": "plain"}) == ("plain", None)
+    assert resolve_step_switch({"DSPINE_DYNAMIC": str(switch_file)}) == ("dynamic", str(switch_file))
+    with pytest.raises(FlagError, match="both set"):
+        resolve_step_switch({"DSPINE_DYNAMIC": str(switch_file), "DSPINE_SWITCH": "plain"})
+    with pytest.raises(FlagError, match="'sometimes'"):
+        resolve_step_switch({"DSPINE_SWITCH": "sometimes"})
+    with pytest.raises(FlagError, match="no such file"):
+        resolve_step_switch({"DSPINE_DYNAMIC": str(tmp_path / "nope.json")})
