@@ -29,6 +29,11 @@ unless `--restart`):
   e.g. the tune run's `sts_affine.json`, checked on this run's acceptance records, e.g. `--split
   heldout`): predicted vs observed acceptance per position, in points, and survival ECE raw vs
   calibrated.
+* `switch.json` with `--plain-table FILE` (the `sps_table.json` of a run against the same server
+  started with `DSPINE_SWITCH=plain`, measured with `--verify-tokens 1`): the speculation switch's
+  file (`dspine.serving_switch`): this run's table for drafting steps, FILE for plain steps, the
+  affine calibration and the prior (the acceptance records' observed survival per position).
+  Serve with `DSPINE_DYNAMIC=<out>/switch.json` in the server's environment.
 * `manifest.json`, `sps.png` (+ `calibration.png`; skipped without matplotlib), and the
   `dspine serve` command that uses them, printed last.
 """
@@ -61,6 +66,7 @@ DEFAULT_VERIFY_TOKENS = 16
 ROUNDS, TABLE, ADDITIVE, ACCEPTANCE, STS, STS_AFFINE, CHECK, MANIFEST = (
     "rounds.jsonl", "sps_table.json", "sps_table_additive.json", "acceptance.jsonl", "sts.json", "sts_affine.json",
     "calibration_check.json", "manifest.json")
+SWITCH = "switch.json"
 M_BIN = 64          # additive fit: verify-token cells binned by 64, as SGLang's profiler
 _FLAG_KEYS = ("tp_size", "dp_size", "pp_size", "attention_backend", "cuda_graph_max_bs", "cuda_graph_bs",
               "disable_cuda_graph", "max_running_requests", "mem_fraction_static", "enable_dp_attention",
@@ -254,6 +260,18 @@ def recorded_rounds(records: list[dict]):
     if not logits:
         return None
     return torch.tensor(logits, dtype=torch.float64), torch.tensor(accept)
+
+
+def observed_survival(records: list[dict]) -> list[float] | None:
+    """[N-1]: the share of recorded verify steps that accepted at least j+1 proposals (the switch's
+    prior), or None without per-step records."""
+    import torch
+
+    rounds = recorded_rounds(records)
+    if rounds is None:
+        return None
+    logits, accepted = rounds
+    return (accepted[:, None] > torch.arange(logits.shape[1])).double().mean(0).tolist()
 
 
 def fit_calibration(records: list[dict], dataset: str, affine: bool = False):
@@ -519,6 +537,19 @@ def tune(args, url: str, requests: list[TraceRequest], reference=None) -> int:
         notes.append("STS calibration skipped: /generate meta_info has no per-step dspine_confidence_logits / "
                      "dspine_accept_lens (start the DSPINE server with DSPINE_RECORD_CONFIDENCE=1)"
                      if records else "STS calibration skipped: --acceptance-requests 0")
+    if args.plain_table:
+        if calibration is None:
+            raise TuningError("--plain-table: the switch file needs the calibration and the prior, i.e. per-step "
+                              "confidences: start the DSPINE server with DSPINE_RECORD_CONFIDENCE=1 and keep "
+                              "--acceptance-requests > 0")
+        from dspine.serving_switch import SwitchConfigError, write_switch_file
+
+        try:
+            write_switch_file(out / SWITCH, round_table=TABLE, plain_table=str(Path(args.plain_table).resolve()),
+                              calibration=STS_AFFINE, prior_survival=observed_survival(records))
+        except SwitchConfigError as err:
+            raise TuningError(f"--plain-table {args.plain_table}: {err}") from None
+        files["switch"] = SWITCH
     if reference is not None:
         check = check_calibration(reference, Path(args.check_calibration), records)
         write_text_atomic(out / CHECK, json.dumps(check, indent=2) + "\n")
@@ -538,6 +569,8 @@ def tune(args, url: str, requests: list[TraceRequest], reference=None) -> int:
     for note in notes:
         print(f"tune-sps: note: {note}", file=sys.stderr)
     print(f"tune-sps: wrote {', '.join(files.values())} and {MANIFEST} in {out}")
+    if "switch" in files:
+        print(f"DSPINE_DYNAMIC={shlex.quote(str((out / SWITCH).resolve()))} ", end="")
     print(command)
     return 0
 
@@ -573,6 +606,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-calibration", metavar="FILE", default=None,
                         help="check a calibration fitted on another split (e.g. the tune run's sts_affine.json) on "
                              "this run's acceptance records, e.g. with --split heldout: writes calibration_check.json")
+    parser.add_argument("--plain-table", metavar="FILE", default=None,
+                        help="the sps_table.json of a run against this deployment started with DSPINE_SWITCH=plain "
+                             "(and --verify-tokens 1): also write switch.json for DSPINE_DYNAMIC (the per-step "
+                             "draft-or-plain switch)")
     parser.add_argument("--gpu", default=None, help="GPU name for the manifest (SGLang's /server_info has none)")
     parser.add_argument("--level-timeout", type=float, default=600.0, help="seconds per level before stopping")
     parser.add_argument("--request-timeout", type=float, default=600.0)
@@ -584,6 +621,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, serve_args: list[str]) -> int:
     try:
         requests = load_traces(args.traces, split=args.split)       # before any server is started
+        if args.plain_table and not Path(args.plain_table).is_file():
+            raise TuningError(f"--plain-table {args.plain_table}: no such file (the sps_table.json of a tune-sps run "
+                              "against this deployment started with DSPINE_SWITCH=plain)")
         reference = None
         if args.check_calibration:
             from dspine.dynamic_verification import PositionCalibration

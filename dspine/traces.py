@@ -445,6 +445,17 @@ def write_dev_traces(out_dir: str | Path) -> dict[str, dict[str, int]]:
     return counts
 
 
+def heldout_workload(paths: Iterable[str | Path], count: int) -> list[TraceRequest]:
+    """A held-out replay workload of `count` requests: the traces' held-out split, then opening turns
+    of ShareGPT's held-out evaluation set (`dspine.datasets`), neither ever used for tuning."""
+    from dspine.datasets import load_eval_set
+
+    held = load_traces(paths, "heldout")
+    extra = [TraceRequest(messages=tuple(p.messages), source=p.id)
+             for p in load_eval_set("sharegpt-heldout", max(0, count - len(held)))]
+    return (held + extra)[:count]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dspine.traces", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -452,7 +463,17 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("files", nargs="+")
     d = sub.add_parser("dev", help="write the dev traces (ToolTalk, BFCL multi-turn, ShareGPT) into DIR")
     d.add_argument("out_dir")
+    h = sub.add_parser("heldout", help="write a held-out replay workload (the files' held-out split, then ShareGPT "
+                                       "held-out openers) as OpenAI-request JSONL, e.g. for scripts/bench_dynamic.py")
+    h.add_argument("files", nargs="+")
+    h.add_argument("--count", type=int, default=128, help="requests in all (default 128)")
+    h.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    if args.cmd == "heldout":
+        requests = heldout_workload(args.files, args.count)
+        write_jsonl_atomic(args.out, [r.to_record() for r in requests])
+        print(f"{args.out}: {len(requests)} held-out requests")
+        return 0
     if args.cmd == "dev":
         for name, counts in write_dev_traces(args.out_dir).items():
             print(f"{name}: {counts['tune']} tune, {counts['heldout']} heldout")

@@ -44,13 +44,12 @@ import torch
 
 from dspine.checkpoint import load_checkpoint
 from dspine.cli import default_drafter
-from dspine.datasets import load_eval_set
 from dspine.dynamic_verification import (ConfidenceRecorder, DynamicVerifier, PositionCalibration,
                                          SpsAdditiveCostTable, VerifyPlanner, sps_table_to_json)
 from dspine.engine import generate
 from dspine.sps_tuning import fit_additive, fit_diagonal, render_prompt
 from dspine.targets import load_target, stop_token_ids
-from dspine.traces import TraceRequest, load_traces
+from dspine.traces import TraceRequest, heldout_workload, load_traces
 from dspine.train.bench_accept import device_name
 
 DEV_TRACES = ["benchmarks/traces/sharegpt_dev.jsonl", "benchmarks/traces/tooltalk_dev.jsonl",
@@ -64,10 +63,7 @@ def encode(tokenizer, requests: list[TraceRequest], max_prompt_tokens: int) -> l
 
 def heldout_requests(count: int) -> list[TraceRequest]:
     """The dev traces' held-out split, then ShareGPT held-out opening turns, `count` in all."""
-    held = load_traces(DEV_TRACES, "heldout")
-    extra = [TraceRequest(messages=tuple(p.messages), source=p.id)
-             for p in load_eval_set("sharegpt-heldout", max(0, count - len(held)))]
-    return (held + extra)[:count]
+    return heldout_workload(DEV_TRACES, count)
 
 
 def heldout_sources(requests: list[TraceRequest]) -> dict[str, int]:
