@@ -29,6 +29,14 @@ injection); this worker only overrides the smallest seams around it:
   `meta_info.dspine_confidence_logits [steps][N-1]` and `meta_info.dspine_accept_lens [steps]`,
   the input of `dspine tune-sps`'s per-position calibration. The device-to-host copies ride on the
   step's stream (no host sync in the worker); the rows are read when SGLang processes the result.
+- Speculation switch (`dspine.serving_switch`; off by default): with `DSPINE_DYNAMIC=switch.json`
+  in the server's environment, before every decode step the host decides (no device sync) whether
+  the batch drafts or takes a plain step (`plain_step.PlainStep`: one token per request through a
+  width-1 target graph, the drafter's KV still appended). The drafter's confidence logits of each
+  drafted step are copied to the host on the step's stream and read one step later (an event, no
+  sync) to update each request's expected acceptance. `DSPINE_SWITCH=plain|draft` forces one kind
+  of step (plain: to measure the plain-step table). Not with grammar-constrained batches (they
+  draft) nor hybrid ReplaySSM targets (refused at start).
 - GDN track slots (0.5.17, ReplaySSM targets): before a verify step, rebuild the batch's track
   indices from its requests (`spec_utils.prepare_mamba_track_for_verify`), which 0.5.17's DFlash
   verify omits (0.5.20+ does it itself); otherwise the commit below writes into the radix cache's slot.
@@ -48,8 +56,10 @@ from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from torch import Tensor
 
 from dspine.checkpoint import check_target_compatible
+from dspine.serving_switch import ServingSwitch, SwitchConfig
 from dspine.sglang import compat
 from dspine.sglang.draft_model import DSpineDraftModel
+from dspine.sglang.rules import SWITCH_FILE_ENV, FlagError, resolve_step_switch
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +154,12 @@ class DSpineWorkerV2(DFlashWorkerV2):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._step_policy, switch_file = resolve_step_switch(os.environ)
+        self._switch = None
+        if switch_file is not None:
+            self._switch = ServingSwitch(SwitchConfig.load(switch_file), int(self.block_size))
+        self._plain_step = None
+        self._pending_confidence = None   # (rids, host logits [bs, N-1], event) of the last drafted step
         self._attach_target_to_draft()
 
     def _attach_target_to_draft(self) -> None:
@@ -160,20 +176,68 @@ class DSpineWorkerV2(DFlashWorkerV2):
             raise RuntimeError("DSPINE needs the target model to expose `lm_head` with a dense `weight`")
         model.attach_target_head(head, tp_group=compat.tp_group())
         self._dspine_record_confidence = False
-        if os.environ.get(RECORD_CONFIDENCE_ENV, "0") not in ("", "0"):
+        wants_record = os.environ.get(RECORD_CONFIDENCE_ENV, "0") not in ("", "0")
+        if wants_record or self._switch is not None:
             requests = compat.server_args_value(self.server_args, "max_running_requests") or 0
             rows = max(int(requests), compat.decode_graph_max_bs(), 1) * (int(model.block_size) - 1)
-            self._dspine_record_confidence = model.enable_confidence_record(rows, head.weight.device)
-            if not self._dspine_record_confidence:
+            recording = model.enable_confidence_record(rows, head.weight.device)
+            if self._switch is not None and not recording:
+                raise FlagError(f"{SWITCH_FILE_ENV} needs a drafter with a confidence head and transition selection "
+                                "(its confidence drives the switch); this one has none (the argmax ablation?). "
+                                f"Fix: unset {SWITCH_FILE_ENV} or serve a DSpine drafter")
+            self._dspine_record_confidence = recording and wants_record
+            if wants_record and not recording:
                 logger.warning("DSPINE: %s=1 but this drafter has no confidence head or no transition selection "
                                "(the argmax ablation); nothing is recorded.", RECORD_CONFIDENCE_ENV)
-            else:
+            elif wants_record:
                 logger.info("DSPINE: recording per-step confidence logits into meta_info (%s=1; adds a "
                             "device-to-host copy per step, meant for `dspine tune-sps` calibration runs).",
                             RECORD_CONFIDENCE_ENV)
         logger.info("DSPINE: target lm_head attached (selection=%s, injection=%s, block=%d, tp=%d, selector seam=%s).",
                     model.dspine_config.selection, model.dspine_config.injection, model.block_size,
                     int(getattr(compat.tp_group(), "world_size", 1)), compat.has_selector_seam())
+
+    # ------------------------------------------------------------------------ speculation switch
+    def init_cuda_graphs(self):
+        super().init_cuda_graphs()
+        if self._step_policy in ("dynamic", "plain"):
+            if self._need_mamba_verify_commit:
+                raise FlagError(f"the speculation switch ({SWITCH_FILE_ENV} / DSPINE_SWITCH) does not serve hybrid "
+                                "linear-attention targets (ReplaySSM verifies statically). Fix: unset it")
+            from dspine.sglang.plain_step import PlainStep
+
+            self._plain_step = PlainStep(self)
+            logger.info("DSPINE speculation switch: %s.", "per-step decisions from " + os.environ[SWITCH_FILE_ENV]
+                        if self._switch is not None else "every decode step plain (DSPINE_SWITCH=plain)")
+
+    def _drafts_this_step(self, batch) -> bool:
+        """The switch's decision for this decode step (True: draft; static servers always draft)."""
+        if self._plain_step is None or getattr(batch, "has_grammar", False):
+            return True
+        if self._switch is None:
+            return False                                  # DSPINE_SWITCH=plain
+        self._observe_pending_confidence()
+        return self._switch.decide([req.rid for req in batch.reqs])
+
+    def _observe_pending_confidence(self) -> None:
+        """Hand the last drafted step's confidence to the switch once its copy has landed (no sync)."""
+        pending = self._pending_confidence
+        if pending is not None and (pending[2] is None or pending[2].query()):
+            self._pending_confidence = None
+            self._switch.observe(pending[0], pending[1])
+
+    def _queue_confidence(self, batch) -> None:
+        """Copy this drafted step's confidence logits [bs, N-1] to the host on the step's stream."""
+        rids = [req.rid for req in batch.reqs]
+        confidence = self.draft_model.recorded_confidence(len(rids))
+        if confidence is None or not rids:
+            return
+        host = confidence.to("cpu", non_blocking=True)
+        done = None
+        if confidence.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        self._pending_confidence = (rids, host, done)
 
     def _dspine_selects(self) -> bool:
         """DSpine's own sampler runs where SGLang has no selector seam and selection is on."""
@@ -182,9 +246,16 @@ class DSpineWorkerV2(DFlashWorkerV2):
     def forward_batch_generation(self, batch, *args, **kwargs):
         self.draft_model.ensure_transfer_table(serving=True)
         verify_step = _is_verify_step(batch)
+        if verify_step and not self._drafts_this_step(batch):
+            if getattr(batch, "return_logprob", False):
+                raise ValueError("DSPINE speculative decoding does not support return_logprob yet.")
+            self._validate_phase1_sampling_support(batch)
+            return self._plain_step.run(batch, kwargs.get("on_publish", args[0] if args else None))
         if verify_step and self._needs_track_refresh():
             compat.prepare_mamba_track_for_verify(batch)
         result = super().forward_batch_generation(batch, *args, **kwargs)
+        if verify_step and self._switch is not None:
+            self._queue_confidence(batch)
         if verify_step and getattr(self, "_dspine_record_confidence", False):
             attach_confidence_record(result, self.draft_model)
         return result

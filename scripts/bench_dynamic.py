@@ -1,0 +1,279 @@
+"""Dynamic verification served: AR vs DSPINE-static vs DSPINE-dynamic on held-out trace replays.
+
+One SGLang server at a time (`bench_serving`'s launchers: `.gpu/host/serve.sh` on the GPU host, or
+`--url NAME=URL` for servers already running):
+
+* `AR`: the target alone;
+* `DSPINE-static`: `--speculative-algorithm DSPINE`, every decode step drafts a block;
+* `DSPINE-dynamic`: the same flags with `DSPINE_DYNAMIC=<--switch>` in the server's environment
+  (the speculation switch, `dspine.serving_switch`, tuned by `dspine tune-sps --plain-table` on the
+  traces' tune split);
+* `DSPINE-plain` (optional, a diagnostic): `DSPINE_SWITCH=plain`, every decode step plain: what a
+  plain step costs against AR's.
+
+Workload: `--requests` (a JSONL of OpenAI chat requests, e.g. the held-out split written by
+`python -m dspine.traces heldout TRACES --out FILE`; never the split the switch was tuned on), cycled; at each
+concurrency max(--min-requests, --waves x c) requests, greedy (temperature 0), max_tokens capped,
+all with `return_meta_info`. Per level: output_tok_per_s = completion tokens / wall time;
+accept_len = completion tokens / spec_verify_ct (tokens per decode step, plain steps included; 1 for
+AR); mean_verify_tokens = verify tokens per request per decode step: N for a drafting step, 1 for a
+plain one (`meta_info.dspine_plain_steps` counts a request's plain steps). At concurrency 1 the
+token ids of every request are compared with AR's (`parity_c1`).
+
+Writes `--out-dir/dynamic_h200.json` after every level (schema `RESULTS_SCHEMA`) and
+`dynamic_h200.png` (throughput ÷ AR against concurrency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.util
+import json
+import os
+import shlex
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ("AR", "DSPINE-static", "DSPINE-dynamic", "DSPINE-plain")
+RESULTS_NAME = "dynamic_h200"
+RESULTS_SCHEMA = {
+    "device": str, "date": str, "sglang": str, "command": str,
+    "runs": [{"algorithm": str, "concurrency": int, "output_tok_per_s": float, "mean_verify_tokens": float,
+              "accept_len": float}],
+}
+
+
+def _bench_serving():
+    """`scripts/bench_serving.py` (HTTP helpers, launchers, results writing), loaded from its file."""
+    if "bench_serving" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "scripts" / "bench_serving.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_serving"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_serving"]
+
+
+bs_mod = _bench_serving()
+
+
+def load_requests(path: Path, max_tokens: int) -> list[dict]:
+    """OpenAI chat request bodies, greedy, max_tokens capped at `max_tokens`."""
+    bodies = []
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            body = json.loads(line)
+        except ValueError as err:
+            raise bs_mod.BenchError(f"{path}:{line_no}: not JSON ({err})") from None
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            raise bs_mod.BenchError(f"{path}:{line_no}: an OpenAI chat request needs a `messages` list")
+        body = {k: v for k, v in body.items() if k not in ("stream", "n", "model")}
+        body.update(temperature=0, max_tokens=min(int(body.get("max_tokens") or max_tokens), max_tokens))
+        bodies.append(body)
+    if not bodies:
+        raise bs_mod.BenchError(f"{path}: no requests")
+    return bodies
+
+
+def send(base: str, body: dict, model: str, timeout: float, token_ids: bool) -> dict:
+    """One non-streamed chat completion with meta_info: completion tokens, verify steps, plain steps."""
+    extra = {"model": model, "return_meta_info": True, **({"return_token_ids": True} if token_ids else {})}
+    with bs_mod._post(f"{base}/v1/chat/completions", {**body, **extra}, timeout) as r:
+        payload = json.loads(r.read())
+    choice = (payload.get("choices") or [{}])[0]
+    meta = choice.get("meta_info") or {}
+    return {"tokens": bs_mod._completion_tokens(payload.get("usage"), base),
+            "verify_ct": int(meta.get("spec_verify_ct") or 0),
+            "plain_steps": len(meta.get("dspine_plain_steps") or []),
+            "token_ids": choice.get("token_ids")}
+
+
+def level_stats(replies: list[dict], wall: float, block: int) -> dict:
+    """Throughput, tokens per decode step and verify tokens per request-step of one level."""
+    tokens = sum(r["tokens"] for r in replies)
+    steps = sum(r["verify_ct"] for r in replies)
+    plain = sum(r["plain_steps"] for r in replies)
+    if steps == 0:                                   # AR: no speculative fields
+        return {"output_tok_per_s": tokens / wall, "accept_len": 1.0, "mean_verify_tokens": 1.0,
+                "completion_tokens": tokens, "wall_s": wall, "decode_steps": None, "plain_steps": 0}
+    return {"output_tok_per_s": tokens / wall, "accept_len": tokens / steps,
+            "mean_verify_tokens": ((steps - plain) * block + plain) / steps,
+            "completion_tokens": tokens, "wall_s": wall, "decode_steps": steps, "plain_steps": plain}
+
+
+def run_level(base: str, bodies: list[dict], c: int, args) -> tuple[dict, list[dict]]:
+    count = max(args.min_requests, args.waves * c)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=c) as pool:
+        replies = list(pool.map(lambda i: send(base, bodies[i % len(bodies)], args.served_model,
+                                               args.request_timeout, token_ids=c == 1), range(count)))
+    return {"concurrency": c, "requests": count, **level_stats(replies, time.perf_counter() - t0,
+                                                             args.num_draft_tokens)}, replies
+
+
+@contextlib.contextmanager
+def server_env(env: dict[str, str]):
+    """Environment variables for a server start (serve.sh passes its environment on)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def server_configs(args) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """(sglang flags, server environment) per config."""
+    common = ["--model-path", args.model_path, *shlex.split(args.extra_flags)]
+    spec = [*common, "--speculative-algorithm", "DSPINE", "--speculative-num-draft-tokens", str(args.num_draft_tokens),
+            "--speculative-draft-attention-backend", "triton", "--speculative-draft-model-path", args.draft]
+    configs = {"AR": (common, {}), "DSPINE-static": (spec, {}),
+               "DSPINE-dynamic": (spec, {"DSPINE_DYNAMIC": str(Path(args.switch).resolve())} if args.switch else None),
+               "DSPINE-plain": (spec, {"DSPINE_SWITCH": "plain"})}
+    chosen = {}
+    for name in args.configs:
+        flags, env = configs[name]
+        if env is None:
+            raise bs_mod.BenchError("DSPINE-dynamic needs --switch (the switch.json of `dspine tune-sps --plain-table`)")
+        chosen[name] = (flags, env)
+    return chosen
+
+
+def parity_c1(passes: dict[str, list[dict]]) -> dict:
+    """Per config: requests whose token ids equal AR's at concurrency 1, and the first differing
+    position of the others (no logprobs here: near-ties are judged by bench_serving's --prefill-check)."""
+    out = {}
+    ar = passes.get("AR")
+    for name, replies in passes.items():
+        if name == "AR" or ar is None:
+            continue
+        firsts = []
+        for a, b in zip(ar, replies):
+            x, y = a["token_ids"] or [], b["token_ids"] or []
+            firsts.append(next((i for i, (p, q) in enumerate(zip(x, y)) if p != q),
+                               None if len(x) == len(y) else min(len(x), len(y))))
+        out[name] = {"requests": len(firsts), "identical": sum(f is None for f in firsts),
+                     "first_difference": [f for f in firsts if f is not None]}
+    return out
+
+
+def plot(results: dict, out_dir: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ar = {r["concurrency"]: r["output_tok_per_s"] for r in results["runs"] if r["algorithm"] == "AR"}
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name in CONFIGS[1:]:
+        pts = sorted((r["concurrency"], r["output_tok_per_s"] / ar[r["concurrency"]]) for r in results["runs"]
+                     if r["algorithm"] == name and r["concurrency"] in ar)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set(xscale="log", xlabel="concurrency", ylabel="output tok/s ÷ AR",
+           title=f"{Path(str(results.get('target', ''))).name or 'target'}: speculation vs AR ({results['device']})")
+    ax.legend()
+    fig.tight_layout()
+    path = out_dir / f"{RESULTS_NAME}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=Path, required=True, help="held-out OpenAI chat requests (JSONL)")
+    p.add_argument("--switch", default=None, help="switch.json for DSPINE-dynamic (dspine tune-sps --plain-table)")
+    p.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS[:3]),
+                   help="comma-separated subset of " + ",".join(CONFIGS))
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64, 128])
+    p.add_argument("--min-requests", type=int, default=32)
+    p.add_argument("--waves", type=int, default=2, help="each level sends at least waves x concurrency requests")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--model-path", default=os.environ.get("SMOLLM2", "HuggingFaceTB/SmolLM2-135M-Instruct"))
+    p.add_argument("--draft", default="checkpoints/dspine-smollm2-135m-instruct")
+    p.add_argument("--num-draft-tokens", type=int, default=16)
+    p.add_argument("--extra-flags", default="--cuda-graph-max-bs-decode 128 --max-running-requests 128",
+                   help="sglang flags for every config (serve.sh adds its base flags)")
+    p.add_argument("--served-model", default="default")
+    p.add_argument("--url", action="append", default=[], help="NAME=URL of a running server (no server started)")
+    p.add_argument("--serve-script", type=Path, default=Path(".gpu/host/serve.sh"))
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--device", default="NVIDIA H200")
+    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args(argv)
+    unknown = set(args.configs) - set(CONFIGS)
+    if unknown:
+        p.error(f"unknown config(s) {sorted(unknown)}; choose from {CONFIGS}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    bodies = load_requests(args.requests, args.max_tokens)
+    configs = server_configs(args)
+    launcher = bs_mod._launcher(args)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    results = {"device": args.device, "date": datetime.date.today().isoformat(), "sglang": "unknown",
+               "command": shlex.join([sys.argv[0], *sys.argv[1:]]), "target": args.model_path, "drafter": args.draft,
+               "requests": {"file": str(args.requests), "count": len(bodies), "max_tokens": args.max_tokens},
+               "switch": json.loads(Path(args.switch).read_text()) if args.switch else None,
+               "runs": [], "levels": [], "configs": {}, "errors": []}
+    passes: dict[str, list[dict]] = {}
+    for name, (flags, env) in configs.items():
+        results["configs"][name] = {"flags": flags, "env": env}
+        try:
+            with server_env(env):
+                base = launcher.start(name, flags)
+            info = bs_mod._get_json(f"{base}/server_info") or {}
+            results["sglang"] = info.get("version") or results["sglang"]
+            send(base, bodies[0], args.served_model, args.request_timeout, token_ids=False)   # warm-up
+            for c in args.concurrency:
+                level, replies = run_level(base, bodies, c, args)
+                if c == 1:
+                    passes[name] = replies
+                results["levels"].append({"algorithm": name, **level})
+                results["runs"].append({"algorithm": name, "concurrency": c,
+                                        **{k: level[k] for k in ("output_tok_per_s", "mean_verify_tokens",
+                                                                 "accept_len")}})
+                results["parity_c1"] = parity_c1(passes)
+                bs_mod.write_results(results, args.out_dir, RESULTS_NAME)
+                print(f"[{name}] c={c}: {level['output_tok_per_s']:.0f} tok/s, {level['accept_len']:.2f} tokens/step, "
+                      f"{level['mean_verify_tokens']:.2f} verify tokens/request-step, {level['wall_s']:.1f} s",
+                      flush=True)
+        except (bs_mod.BenchError, OSError) as err:
+            results["errors"].append(f"{name}: {err}")
+            print(f"[{name}] FAILED: {err}", flush=True)
+        finally:
+            launcher.stop(name)
+    path = bs_mod.write_results(results, args.out_dir, RESULTS_NAME)
+    plot(results, args.out_dir)
+    ar = {r["concurrency"]: r["output_tok_per_s"] for r in results["runs"] if r["algorithm"] == "AR"}
+    print(f"{'config':<16}" + "".join(f"{'c=' + str(c):>10}" for c in args.concurrency) + "   (÷ AR)")
+    for name in configs:
+        row = {r["concurrency"]: r["output_tok_per_s"] for r in results["runs"] if r["algorithm"] == name}
+        print(f"{name:<16}" + "".join(f"{row[c] / ar[c]:>10.3f}" if c in row and c in ar else f"{'-':>10}"
+                                      for c in args.concurrency))
+    print(f"wrote {path}")
+    if results["errors"]:
+        print("errors:\n  " + "\n  ".join(results["errors"]), file=sys.stderr)
+        return 1
+    bs_mod.check_schema(results, RESULTS_SCHEMA)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
