@@ -17,7 +17,7 @@ concurrency max(--min-requests, --waves x c) requests, greedy (temperature 0), m
 all with `return_meta_info`. Per level: output_tok_per_s = completion tokens / wall time;
 accept_len = completion tokens / spec_verify_ct (tokens per decode step, plain steps included; 1 for
 AR); mean_verify_tokens = verify tokens per request per decode step: N for a drafting step, 1 for a
-plain one (`meta_info.dspine_plain_steps` counts a request's plain steps). At concurrency 1 the
+plain one (`meta_info.dspine_verify_tokens`, one entry per decode step under the switch). At concurrency 1 the
 token ids of every request are compared with AR's (`parity_c1`).
 
 Writes `--out-dir/dynamic_h200.json` after every level (schema `RESULTS_SCHEMA`) and
@@ -90,21 +90,25 @@ def send(base: str, body: dict, model: str, timeout: float, token_ids: bool) -> 
     meta = choice.get("meta_info") or {}
     return {"tokens": bs_mod._completion_tokens(payload.get("usage"), base),
             "verify_ct": int(meta.get("spec_verify_ct") or 0),
-            "plain_steps": len(meta.get("dspine_plain_steps") or []),
+            "verify_tokens": [int(v) for v in meta.get("dspine_verify_tokens") or []],
             "token_ids": choice.get("token_ids")}
 
 
 def level_stats(replies: list[dict], wall: float, block: int) -> dict:
-    """Throughput, tokens per decode step and verify tokens per request-step of one level."""
+    """Throughput, tokens per decode step and verify tokens per request-step of one level. A server
+    under the switch tags every decode step with its verify width (`dspine_verify_tokens`: N or 1); a
+    static one drafts every step (N); AR reports no speculative fields (1)."""
     tokens = sum(r["tokens"] for r in replies)
     steps = sum(r["verify_ct"] for r in replies)
-    plain = sum(r["plain_steps"] for r in replies)
-    if steps == 0:                                   # AR: no speculative fields
-        return {"output_tok_per_s": tokens / wall, "accept_len": 1.0, "mean_verify_tokens": 1.0,
-                "completion_tokens": tokens, "wall_s": wall, "decode_steps": None, "plain_steps": 0}
-    return {"output_tok_per_s": tokens / wall, "accept_len": tokens / steps,
-            "mean_verify_tokens": ((steps - plain) * block + plain) / steps,
-            "completion_tokens": tokens, "wall_s": wall, "decode_steps": steps, "plain_steps": plain}
+    widths = [w for r in replies for w in r["verify_tokens"]]
+    plain = sum(w == 1 for w in widths)
+    if steps == 0:
+        accept, verify = 1.0, 1.0
+    else:
+        accept, verify = tokens / steps, (sum(widths) / len(widths) if widths else float(block))
+    return {"output_tok_per_s": tokens / wall, "accept_len": accept, "mean_verify_tokens": verify,
+            "completion_tokens": tokens, "wall_s": wall, "decode_steps": steps or None,
+            "tagged_steps": len(widths), "plain_steps": plain}
 
 
 def run_level(base: str, bodies: list[dict], c: int, args) -> tuple[dict, list[dict]]:

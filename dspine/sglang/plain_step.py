@@ -1,28 +1,30 @@
 """`PlainStep`: the DSPINE worker's plain decoding step (one token per request, no draft).
 
 The off side of the speculation switch (`dspine.serving_switch`). SGLang's DFlash worker captures
-the target's verify graphs at one width, N tokens per request, so a step that skipped the draft but
-kept that graph would still pay an N-token verify. `PlainStep` captures a second set of target
-graphs at width 1 (TARGET_VERIFY mode with one token per request, FULL hidden capture), with an
-attention backend of its own workspace, as SGLang's EAGLE adaptive runtime states do for each step
-count, and swaps both into the target's model runner for the plain step only (`active()`).
+the target's graphs in TARGET_VERIFY mode, N tokens per request, and that mode runs its attention as
+an extend over the prefix: even at one token per request it costs far more than a decode step (the
+H200 run measured 2.6 ms against AR's 1.2 ms at one request). `PlainStep` gives the target a second
+set of graphs in DECODE mode (SGLang's AR decode path and kernels), captured with FULL hidden-state
+capture for the drafter's context and an attention backend of its own workspace, as SGLang's EAGLE
+adaptive runtime states do for each step count; `active()` swaps them into the target's model runner
+for the plain step only.
 
 One plain step over a decode batch of bs requests (the DFlash draft input holds each request's last
 committed token, the "bonus"):
 
-1. anchor = that token, position = the request's sequence length, KV slot =
-   `req_to_token[req, seq_len]` (the scheduler reserves a block of slots per step either way);
-2. target forward of width 1: logits [bs, V], aux hidden states [bs, H_ctx];
-3. next token: the verify's logit adjustments (penalties, bias), then argmax, or at T > 0 SGLang's
-   DFlash sampler with no proposal to accept (a sample from the adjusted distribution);
-4. the anchor's target hidden states go into the draft KV cache at its slot, exactly what a
+1. the batch is presented to the target worker as an AR decode batch for the call: input = that
+   token, sequence lengths + 1, KV slot = `req_to_token[req, seq_len]` (the scheduler reserves a
+   block of slots per step either way), no spec input; restored afterwards;
+2. the target worker runs it as it runs AR (decode graph, then SGLang's own sampler: greedy or
+   sampled exactly as AR) with FULL hidden capture: next tokens [bs], aux hidden states [bs, H_ctx];
+3. the anchor's target hidden states go into the draft KV cache at its slot, exactly what a
    drafting step commits for an accepted position, so the drafter's context never has a gap;
-5. the result in the DFlash format: out tokens [bs, N] with the new token in column 0, commit
-   lengths 1, sequence lengths + 1; SGLang's `customized_info` gets one `dspine_plain_steps` entry
-   per request, so `meta_info.dspine_plain_steps` has one element per plain step of the request
-   (`spec_verify_ct` counts plain steps too).
+4. the result in the DFlash format: out tokens [bs, N] with the new token in column 0, commit
+   lengths 1, sequence lengths + 1; SGLang's `customized_info` gets one `dspine_verify_tokens`
+   entry (1) per request, as a drafting step under the switch gets N.
 
-The worker keeps drafting for grammar-constrained batches and hybrid (ReplaySSM) targets.
+The worker drafts for grammar-constrained batches, batches with penalties (their state follows the
+speculative path) and hybrid (ReplaySSM) targets.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ import logging
 
 import torch
 from sglang.srt.speculative import dflash_worker_v2 as dflash
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 logger = logging.getLogger(__name__)
-PLAIN_STEP_KEY = "dspine_plain_steps"
+VERIFY_TOKENS_KEY = "dspine_verify_tokens"
+_DECODE_FIELDS = ("forward_mode", "input_ids", "seq_lens", "seq_lens_cpu", "seq_lens_sum", "spec_info")
 
 
 def _graph_runner_class(model_runner):
@@ -45,6 +49,28 @@ def _graph_runner_class(model_runner):
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
     return DecodeCudaGraphRunner
+
+
+def capture_decode_graphs(model_runner, attn_backend):
+    """SGLang's decode graph runner for the target in DECODE mode with FULL hidden capture: built while
+    the runner's algorithm reads as none (a speculative runner is captured in TARGET_VERIFY mode)."""
+    base = _graph_runner_class(model_runner)
+    full = dflash.CaptureHiddenMode.FULL
+    runner_class = type("DSpinePlainDecodeGraphRunner", (base,), {
+        "return_hidden_states_mode": property(lambda self: full, lambda self, value: None)})
+    algorithm = model_runner.spec_algorithm
+    model_runner.spec_algorithm = SpeculativeAlgorithm.NONE
+    try:
+        return runner_class(model_runner, attn_backend=attn_backend)
+    finally:
+        model_runner.spec_algorithm = algorithm
+
+
+def tag_verify_tokens(logits_output, bs: int, width: int) -> None:
+    """`meta_info.dspine_verify_tokens`: one entry per decode step of a request (N drafting, 1 plain)."""
+    info = dict(getattr(logits_output, "customized_info", None) or {})
+    info[VERIFY_TOKENS_KEY] = [width] * bs
+    logits_output.customized_info = info
 
 
 class PlainStep:
@@ -62,15 +88,14 @@ class PlainStep:
         self.graph_runner = None
         if self.runner.decode_cuda_graph_runner is not None:   # SGLang captured graphs: so do we
             with self.active():
-                self.graph_runner = _graph_runner_class(self.runner)(
-                    self.runner, attn_backend=self.attn_backend, speculative_num_draft_tokens=1)
-        logger.info("DSPINE plain step ready (one token per request, %s).",
+                self.graph_runner = capture_decode_graphs(self.runner, self.attn_backend)
+        logger.info("DSPINE plain step ready (AR decode, %s).",
                     "CUDA graphs for batch sizes up to %d" % self.graph_runner.max_bs if self.graph_runner
                     else "eager")
 
     @contextlib.contextmanager
     def active(self):
-        """The width-1 attention backend and graph runner in the target's model runner, restored after."""
+        """The plain step's attention backend and graph runner in the target's model runner, restored after."""
         runner = self.runner
         saved = runner.attn_backend, runner.decode_cuda_graph_runner
         runner.attn_backend = self.attn_backend
@@ -90,54 +115,41 @@ class PlainStep:
             batch.seq_lens.record_stream(torch.cuda.current_stream())
         bs, width = len(batch.seq_lens), int(w.block_size)
         prefix_lens = batch.seq_lens
-        tokens = draft_input.bonus_tokens.view(-1).to(torch.int64)
         positions = prefix_lens.to(torch.int64)
         req_to_token = w.model_runner.req_to_token_pool.req_to_token
         cache_loc = req_to_token[batch.req_pool_indices.long(), positions].to(torch.int64)
+        new_seq_lens = prefix_lens + 1
 
-        verify_input = dflash.DFlashVerifyInput(draft_token=tokens, positions=positions, draft_token_num=1,
-                                                custom_mask=None, capture_hidden_mode=dflash.CaptureHiddenMode.FULL)
+        saved = {name: getattr(batch, name) for name in _DECODE_FIELDS}
+        batch.forward_mode = dflash.ForwardMode.DECODE
+        batch.input_ids = draft_input.bonus_tokens.view(-1).to(torch.int64)
+        batch.seq_lens = new_seq_lens
         batch.out_cache_loc = cache_loc
-        seq_lens_cpu, seq_lens_sum = batch.seq_lens_cpu, batch.seq_lens_sum
-        if seq_lens_cpu is not None:                      # host bound: committed prefix + this token
-            batch.seq_lens_cpu = seq_lens_cpu + 1
+        batch.spec_info = None
+        if saved["seq_lens_cpu"] is not None:
+            batch.seq_lens_cpu = saved["seq_lens_cpu"] + 1
             batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
-        elif getattr(draft_input, "reserved_seq_lens_cpu", None) is not None:
-            batch.seq_lens_cpu = draft_input.reserved_seq_lens_cpu
-            batch.seq_lens_sum = int(draft_input.reserved_seq_lens_sum)
-        with self.active():
-            forward_batch, _ = verify_input.prepare_for_verify(batch, w.target_worker)
-            batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu, seq_lens_sum
-            out = w.target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch, is_verify=True,
-                                                           skip_attn_backend_init=True)
-        logits_output = out.logits_output
-        logits = logits_output.next_token_logits
-        sampling_info = batch.sampling_info
-        if sampling_info is not None:
-            dflash.apply_dflash_verify_logits_adjustments(next_token_logits=logits, sampling_info=sampling_info,
-                                                          draft_token_num=1)
-        if (sampling_info is not None and not sampling_info.is_all_greedy
-                and dflash.is_dflash_sampling_verify_available()):
-            _, next_ids = dflash.compute_dflash_sampling_correct_drafts_and_bonus(
-                candidates=tokens.view(bs, 1), next_token_logits=logits, sampling_info=sampling_info,
-                max_top_k=draft_input.max_top_k, uniform_top_k_value=draft_input.uniform_top_k_value)
-        else:
-            next_ids = torch.argmax(logits, dim=-1)
-        next_ids = next_ids.view(-1).to(torch.int64)
+        elif saved["seq_lens_sum"] is not None:
+            batch.seq_lens_sum = saved["seq_lens_sum"] + bs
+        try:
+            with self.active():
+                out = w.target_worker.forward_batch_generation(batch, capture_hidden_mode=dflash.CaptureHiddenMode.FULL)
+        finally:
+            for name, value in saved.items():
+                setattr(batch, name, value)
+        next_ids = out.next_token_ids.view(-1).to(torch.int64)
 
         commit_lens = torch.ones((bs,), dtype=torch.int32, device=prefix_lens.device)
-        new_seq_lens = prefix_lens + 1
         if on_publish is not None:
             on_publish(new_seq_lens)
+        logits_output = out.logits_output
         hidden = logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("DSPINE plain step: the target returned no hidden states for the drafter's context")
         w._append_target_hidden_to_draft_kv_by_loc(target_hidden=hidden.reshape(bs, -1), cache_loc=cache_loc,
                                                    positions=positions)
         logits_output.hidden_states = None
-        info = dict(getattr(logits_output, "customized_info", None) or {})
-        info[PLAIN_STEP_KEY] = [1] * bs         # meta_info.dspine_plain_steps: one entry per plain step
-        logits_output.customized_info = info
+        tag_verify_tokens(logits_output, bs, 1)
         out_tokens = torch.zeros((bs, width), dtype=torch.int64, device=next_ids.device)
         out_tokens[:, 0] = next_ids
         return dflash.GenerationBatchResult(

@@ -47,6 +47,7 @@ injection); this worker only overrides the smallest seams around it:
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from typing import Optional
@@ -59,11 +60,21 @@ from dspine.checkpoint import check_target_compatible
 from dspine.serving_switch import ServingSwitch, SwitchConfig
 from dspine.sglang import compat
 from dspine.sglang.draft_model import DSpineDraftModel
+from dspine.sglang.plain_step import PlainStep, tag_verify_tokens
 from dspine.sglang.rules import SWITCH_FILE_ENV, FlagError, resolve_step_switch
 
 logger = logging.getLogger(__name__)
 
 RECORD_CONFIDENCE_ENV = "DSPINE_RECORD_CONFIDENCE"
+MAX_PENDING_CONFIDENCE = 4    # drafted steps whose confidence copies may be in flight at once
+SWITCH_LOG_EVERY = 5000       # decode steps between the switch's summary lines
+
+
+def _has_penalties(batch) -> bool:
+    """Frequency/presence/repetition penalties: their state follows the speculative path, so such a
+    batch drafts (SGLang's DFlash verify applies them)."""
+    orchestrator = getattr(getattr(batch, "sampling_info", None), "penalizer_orchestrator", None)
+    return bool(getattr(orchestrator, "is_required", False))
 
 
 class HostRows:
@@ -159,7 +170,7 @@ class DSpineWorkerV2(DFlashWorkerV2):
         if switch_file is not None:
             self._switch = ServingSwitch(SwitchConfig.load(switch_file), int(self.block_size))
         self._plain_step = None
-        self._pending_confidence = None   # (rids, host logits [bs, N-1], event) of the last drafted step
+        self._pending_confidence = collections.deque()   # (rids, host logits [bs, N-1], event) per drafted step
         self._attach_target_to_draft()
 
     def _attach_target_to_draft(self) -> None:
@@ -204,31 +215,38 @@ class DSpineWorkerV2(DFlashWorkerV2):
             if self._need_mamba_verify_commit:
                 raise FlagError(f"the speculation switch ({SWITCH_FILE_ENV} / DSPINE_SWITCH) does not serve hybrid "
                                 "linear-attention targets (ReplaySSM verifies statically). Fix: unset it")
-            from dspine.sglang.plain_step import PlainStep
-
             self._plain_step = PlainStep(self)
             logger.info("DSPINE speculation switch: %s.", "per-step decisions from " + os.environ[SWITCH_FILE_ENV]
                         if self._switch is not None else "every decode step plain (DSPINE_SWITCH=plain)")
 
     def _drafts_this_step(self, batch) -> bool:
         """The switch's decision for this decode step (True: draft; static servers always draft)."""
-        if self._plain_step is None or getattr(batch, "has_grammar", False):
+        if self._plain_step is None or getattr(batch, "has_grammar", False) or _has_penalties(batch):
             return True
         if self._switch is None:
             return False                                  # DSPINE_SWITCH=plain
         self._observe_pending_confidence()
-        return self._switch.decide([req.rid for req in batch.reqs])
+        drafts = self._switch.decide([req.rid for req in batch.reqs])
+        if (self._switch.drafted + self._switch.plain) % SWITCH_LOG_EVERY == 0:
+            logger.info("DSPINE switch: %d decode steps, %.1f%% plain (batch of %d now: %s).",
+                        self._switch.drafted + self._switch.plain,
+                        100.0 * self._switch.plain / (self._switch.drafted + self._switch.plain),
+                        len(batch.reqs), "draft" if drafts else "plain")
+        return drafts
 
     def _observe_pending_confidence(self) -> None:
-        """Hand the last drafted step's confidence to the switch once its copy has landed (no sync)."""
+        """Hand the drafted steps' confidences whose copies have landed to the switch (no sync)."""
         pending = self._pending_confidence
-        if pending is not None and (pending[2] is None or pending[2].query()):
-            self._pending_confidence = None
-            self._switch.observe(pending[0], pending[1])
+        while pending and (pending[0][2] is None or pending[0][2].query()):
+            rids, host, _ = pending.popleft()
+            self._switch.observe(rids, host)
 
-    def _queue_confidence(self, batch) -> None:
-        """Copy this drafted step's confidence logits [bs, N-1] to the host on the step's stream."""
+    def _queue_confidence(self, batch, result) -> None:
+        """Copy this drafted step's confidence logits [bs, N-1] to the host on the step's stream (the
+        switch reads them once landed, usually a step or two later); tag the step's verify width."""
         rids = [req.rid for req in batch.reqs]
+        if getattr(result, "logits_output", None) is not None:
+            tag_verify_tokens(result.logits_output, len(rids), int(self.block_size))
         confidence = self.draft_model.recorded_confidence(len(rids))
         if confidence is None or not rids:
             return
@@ -237,7 +255,9 @@ class DSpineWorkerV2(DFlashWorkerV2):
         if confidence.is_cuda:
             done = torch.cuda.Event()
             done.record()
-        self._pending_confidence = (rids, host, done)
+        if len(self._pending_confidence) >= MAX_PENDING_CONFIDENCE:
+            self._pending_confidence.popleft()
+        self._pending_confidence.append((rids, host, done))
 
     def _dspine_selects(self) -> bool:
         """DSpine's own sampler runs where SGLang has no selector seam and selection is on."""
@@ -255,7 +275,7 @@ class DSpineWorkerV2(DFlashWorkerV2):
             compat.prepare_mamba_track_for_verify(batch)
         result = super().forward_batch_generation(batch, *args, **kwargs)
         if verify_step and self._switch is not None:
-            self._queue_confidence(batch)
+            self._queue_confidence(batch, result)
         if verify_step and getattr(self, "_dspine_record_confidence", False):
             attach_confidence_record(result, self.draft_model)
         return result

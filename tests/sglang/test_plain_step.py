@@ -9,6 +9,7 @@ is measured by scripts/bench_dynamic.py.
 
 from __future__ import annotations
 
+import collections
 import importlib.metadata
 from types import SimpleNamespace
 
@@ -22,6 +23,7 @@ except importlib.metadata.PackageNotFoundError:
 
 import torch  # noqa: E402
 from sglang.srt.speculative import dflash_worker_v2 as dflash  # noqa: E402
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 from dspine.dynamic_verification import SpsCostTable  # noqa: E402
 from dspine.serving_switch import ServingSwitch, SwitchConfig  # noqa: E402
@@ -34,10 +36,11 @@ BLOCK, VOCAB, HIDDEN = 4, 11, 6
 class Runner:
     """The target's model runner: a verify backend and graph runner the plain step must swap out and back."""
 
-    def __init__(self, req_to_token):
-        self.attn_backend, self.decode_cuda_graph_runner = "verify-backend", None
+    def __init__(self, req_to_token, graphs=None):
+        self.attn_backend, self.decode_cuda_graph_runner = "verify-backend", graphs
         self.init_new_workspace = False
         self.req_to_token_pool = SimpleNamespace(req_to_token=req_to_token)
+        self.spec_algorithm = "DSPINE-algorithm"
         self.new_backends = []
 
     def _get_attention_backend(self, init_new_workspace=False):
@@ -47,33 +50,28 @@ class Runner:
 
 
 class World:
-    """A worker stand-in with a target whose logits and hidden states are fixed per row."""
+    """A worker stand-in whose target worker 'samples' each row's least likely token (so the test can
+    tell the worker's own sample from an argmax recomputed by the plain step)."""
 
-    def __init__(self, bs=3):
+    def __init__(self, bs=3, graphs=None):
         self.req_to_token = torch.arange(100, 100 + 8 * 40).view(8, 40)
-        self.runner = Runner(self.req_to_token)
+        self.runner = Runner(self.req_to_token, graphs)
         self.logits = torch.randn(bs, VOCAB)
         self.hidden = torch.randn(bs, HIDDEN)
         self.seen = {}
         world = self
 
-        class VerifyInput:
-            def __init__(self, **kwargs):
-                world.seen["verify_input"] = kwargs
-
-            def prepare_for_verify(self, batch, target_worker):
-                world.seen["backend_at_prepare"] = world.runner.attn_backend
-                world.seen["host_lens_at_prepare"] = batch.seq_lens_cpu.clone()
-                return "forward-batch", False
-
-        def forward_batch_generation(**kwargs):
-            world.seen["forward"] = kwargs
-            world.seen["backend_at_forward"] = world.runner.attn_backend
+        def forward_batch_generation(batch, capture_hidden_mode=None):
+            world.seen["call"] = {name: getattr(batch, name) for name in (
+                "forward_mode", "input_ids", "seq_lens", "seq_lens_cpu", "seq_lens_sum", "out_cache_loc", "spec_info")}
+            world.seen["capture_hidden_mode"] = capture_hidden_mode
+            world.seen["backend"] = world.runner.attn_backend
+            world.seen["graphs"] = world.runner.decode_cuda_graph_runner
             output = SimpleNamespace(next_token_logits=world.logits.clone(), hidden_states=world.hidden.clone(),
                                      customized_info=None)
-            return SimpleNamespace(logits_output=output, can_run_cuda_graph=False)
+            return SimpleNamespace(logits_output=output, can_run_cuda_graph=True,
+                                   next_token_ids=world.logits.argmin(-1).to(torch.int32))
 
-        self.VerifyInput = VerifyInput
         self.worker = SimpleNamespace(
             block_size=BLOCK, model_runner=self.runner,
             target_worker=SimpleNamespace(model_runner=self.runner, forward_batch_generation=forward_batch_generation),
@@ -83,59 +81,83 @@ class World:
     def batch(self, sampling_info=None):
         seq_lens = torch.tensor([5, 17, 9])
         return SimpleNamespace(
+            forward_mode="decode-as-scheduled", input_ids=None, out_cache_loc=None,
             seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(), seq_lens_sum=31,
             req_pool_indices=torch.tensor([2, 0, 6]), sampling_info=sampling_info,
-            spec_info=SimpleNamespace(bonus_tokens=torch.tensor([7, 8, 9], dtype=torch.int32), max_top_k=None,
-                                      uniform_top_k_value=None))
+            spec_info=SimpleNamespace(bonus_tokens=torch.tensor([7, 8, 9], dtype=torch.int32)))
 
 
-def test_one_plain_step(monkeypatch):
+def test_one_plain_step_is_an_ar_decode_of_the_bonus_tokens():
     world = World()
-    monkeypatch.setattr(dflash, "DFlashVerifyInput", world.VerifyInput)
     step = plain_step.PlainStep(world.worker)
     assert world.runner.new_backends == [True] and world.runner.init_new_workspace is False
     assert step.graph_runner is None                       # SGLang captured no graphs: neither do we
     batch, published = world.batch(), []
+    spec_info = batch.spec_info
     result = step.run(batch, on_publish=published.append)
 
-    seen = world.seen
-    assert seen["verify_input"]["draft_token_num"] == 1
-    assert seen["verify_input"]["draft_token"].tolist() == [7, 8, 9]
-    assert seen["verify_input"]["positions"].tolist() == [5, 17, 9]
+    call = world.seen["call"]
+    assert call["forward_mode"] == dflash.ForwardMode.DECODE and call["spec_info"] is None
+    assert call["input_ids"].tolist() == [7, 8, 9]
+    assert call["seq_lens"].tolist() == [6, 18, 10]                  # kv length with the new token
+    assert call["seq_lens_cpu"].tolist() == [6, 18, 10] and call["seq_lens_sum"] == 34
     slots = [int(world.req_to_token[2, 5]), int(world.req_to_token[0, 17]), int(world.req_to_token[6, 9])]
-    assert batch.out_cache_loc.tolist() == slots
-    assert seen["backend_at_prepare"] == seen["backend_at_forward"] == "plain-backend"
-    assert world.runner.attn_backend == "verify-backend"   # restored after the step
-    assert seen["host_lens_at_prepare"].tolist() == [6, 18, 10] and batch.seq_lens_cpu.tolist() == [5, 17, 9]
-    assert seen["forward"]["is_verify"] and seen["forward"]["skip_attn_backend_init"]
+    assert call["out_cache_loc"].tolist() == slots
+    assert world.seen["capture_hidden_mode"] == dflash.CaptureHiddenMode.FULL
+    assert world.seen["backend"] == "plain-backend" and world.runner.attn_backend == "verify-backend"
+    # the scheduler's view of the batch is back as it was
+    assert batch.forward_mode == "decode-as-scheduled" and batch.spec_info is spec_info
+    assert batch.seq_lens.tolist() == [5, 17, 9] and batch.seq_lens_cpu.tolist() == [5, 17, 9]
+    assert batch.seq_lens_sum == 31
 
-    greedy = world.logits.argmax(-1)
-    assert result.next_token_ids.view(3, BLOCK)[:, 0].tolist() == greedy.tolist()
+    sampled = world.logits.argmin(-1)
+    assert result.next_token_ids.view(3, BLOCK)[:, 0].tolist() == sampled.tolist()
     assert result.next_token_ids.view(3, BLOCK)[:, 1:].eq(0).all()
     assert result.accept_lens.tolist() == [1, 1, 1] and result.speculative_num_draft_tokens == BLOCK
     assert result.new_seq_lens.tolist() == [6, 18, 10] and published[0].tolist() == [6, 18, 10]
-    assert torch.equal(seen["append"]["target_hidden"], world.hidden)
-    assert seen["append"]["cache_loc"].tolist() == slots and seen["append"]["positions"].tolist() == [5, 17, 9]
-    assert result.next_draft_input[1]["bonus_tokens"].tolist() == greedy.tolist()
+    assert torch.equal(world.seen["append"]["target_hidden"], world.hidden)
+    assert world.seen["append"]["cache_loc"].tolist() == slots
+    assert world.seen["append"]["positions"].tolist() == [5, 17, 9]
+    assert result.next_draft_input[1]["bonus_tokens"].tolist() == sampled.tolist()
     assert result.logits_output.hidden_states is None
-    assert result.logits_output.customized_info == {"dspine_plain_steps": [1, 1, 1]}
+    assert result.logits_output.customized_info == {"dspine_verify_tokens": [1, 1, 1]}
 
 
-def test_verify_adjustments_come_before_the_choice(monkeypatch):
-    """A penalty that the verify applies (here: forbid each row's argmax) decides the plain token too."""
+def test_the_batch_is_restored_when_the_forward_fails():
     world = World()
-    monkeypatch.setattr(dflash, "DFlashVerifyInput", world.VerifyInput)
-    forbidden = world.logits.argmax(-1)
 
-    def penalise(*, next_token_logits, sampling_info, draft_token_num):
-        assert draft_token_num == 1
-        next_token_logits[torch.arange(3), forbidden] = -1e9
+    def fail(batch, capture_hidden_mode=None):
+        raise RuntimeError("boom")
 
-    monkeypatch.setattr(dflash, "apply_dflash_verify_logits_adjustments", penalise)
-    result = plain_step.PlainStep(world.worker).run(world.batch(SimpleNamespace(is_all_greedy=True)))
-    expected = world.logits.clone()
-    expected[torch.arange(3), forbidden] = -1e9
-    assert result.next_token_ids.view(3, BLOCK)[:, 0].tolist() == expected.argmax(-1).tolist()
+    world.worker.target_worker.forward_batch_generation = fail
+    batch = world.batch()
+    with pytest.raises(RuntimeError, match="boom"):
+        plain_step.PlainStep(world.worker).run(batch)
+    assert batch.forward_mode == "decode-as-scheduled" and batch.seq_lens.tolist() == [5, 17, 9]
+    assert world.runner.attn_backend == "verify-backend"
+
+
+def test_decode_graphs_are_captured_as_ar_with_full_hidden_capture():
+    """The width-1 graphs: SGLang's runner class built while the algorithm reads as none (DECODE mode,
+    not TARGET_VERIFY), keeping FULL hidden capture although the base class sets the server's mode."""
+    built = {}
+
+    class FakeGraphRunner:
+        def __init__(self, model_runner, attn_backend=None):
+            self.return_hidden_states_mode = dflash.CaptureHiddenMode.NULL    # what SGLang's base does
+            built.update(algorithm=model_runner.spec_algorithm, backend=model_runner.attn_backend,
+                         passed_backend=attn_backend, mode=self.return_hidden_states_mode)
+            self.max_bs = 8
+
+    world = World(graphs="verify-graphs")
+    world.runner._decode_cuda_graph_runner_cls = lambda: FakeGraphRunner
+    step = plain_step.PlainStep(world.worker)
+    assert built == {"algorithm": SpeculativeAlgorithm.NONE, "backend": "plain-backend",
+                     "passed_backend": "plain-backend", "mode": dflash.CaptureHiddenMode.FULL}
+    assert world.runner.spec_algorithm == "DSPINE-algorithm"
+    assert world.runner.decode_cuda_graph_runner == "verify-graphs"
+    step.run(world.batch())
+    assert world.seen["graphs"] is step.graph_runner and world.runner.decode_cuda_graph_runner == "verify-graphs"
 
 
 def losing_switch() -> ServingSwitch:
@@ -151,16 +173,18 @@ def test_worker_routes_decode_steps_by_the_switch():
     calls = []
     worker._plain_step = SimpleNamespace(run=lambda batch, on_publish: calls.append(on_publish) or "plain-result")
     worker._switch = losing_switch()
-    worker._pending_confidence = (["r0"], torch.full((1, 3), 5.0), None)
+    worker._pending_confidence = collections.deque([(["r0"], torch.full((1, 3), 5.0), None)])
     worker.draft_model = SimpleNamespace(ensure_transfer_table=lambda serving: None)
     worker._validate_phase1_sampling_support = lambda batch: None
     mode = SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False)
-    batch = SimpleNamespace(forward_mode=mode, is_extend_in_batch=False, has_grammar=False,
+    batch = SimpleNamespace(forward_mode=mode, is_extend_in_batch=False, has_grammar=False, sampling_info=None,
                             reqs=[SimpleNamespace(rid="r0")], return_logprob=False)
 
     assert worker._drafts_this_step(batch) is True        # confident record observed first: drafting wins
-    assert worker._pending_confidence is None and worker._switch.expected["r0"] > 2.5
+    assert not worker._pending_confidence and worker._switch.expected["r0"] > 2.5
     worker._switch.expected.clear()                       # back to the losing prior
     assert worker.forward_batch_generation(batch, on_publish="publish") == "plain-result"
     assert calls == ["publish"] and worker._switch.plain == 1
     assert worker._drafts_this_step(SimpleNamespace(**{**vars(batch), "has_grammar": True})) is True
+    penalised = SimpleNamespace(penalizer_orchestrator=SimpleNamespace(is_required=True))
+    assert worker._drafts_this_step(SimpleNamespace(**{**vars(batch), "sampling_info": penalised})) is True

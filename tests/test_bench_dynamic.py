@@ -1,0 +1,91 @@
+"""scripts/bench_dynamic.py end to end against three stub servers (AR, DSPINE-static, DSPINE-dynamic)
+on 127.0.0.1: the levels, the per-level accept length and verify tokens from meta_info, concurrency-1
+parity against AR, the results schema and the refusal of a dynamic run without a switch file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import JsonHandler, load_script, start_server
+
+TOKENS = 6
+BLOCK = 16
+
+
+def stub(kind: str):
+    """AR: no speculative fields. static: 3 decode steps per 6 tokens. dynamic: 4 steps, one of them
+    plain (verify widths 16, 16, 1, 16). The dynamic server departs from AR at token 2 of every
+    request whose first message says "diverge"."""
+
+    class Handler(JsonHandler):
+        def do_GET(self):
+            self.send_json({"version": "0.5.17-stub"}) if self.path == "/server_info" else self.send_error(404)
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            assert body["temperature"] == 0 and body["return_meta_info"] is True
+            ids = [5, 6, 7, 8, 9, 10]
+            if kind == "dynamic" and "diverge" in body["messages"][0]["content"]:
+                ids[2] = 99
+            meta = {}
+            if kind == "static":
+                meta = {"spec_verify_ct": 3}
+            elif kind == "dynamic":
+                meta = {"spec_verify_ct": 4, "dspine_verify_tokens": [16, 16, 1, 16]}
+            choice = {"message": {"role": "assistant", "content": "x"}, "meta_info": meta}
+            if body.get("return_token_ids"):
+                choice["token_ids"] = ids
+            self.send_json({"choices": [choice], "usage": {"completion_tokens": TOKENS}})
+
+    return start_server(Handler)
+
+
+@pytest.fixture
+def servers():
+    started = {name: stub(kind) for name, kind in (("AR", "ar"), ("DSPINE-static", "static"),
+                                                   ("DSPINE-dynamic", "dynamic"))}
+    yield started
+    for server in started.values():
+        server.shutdown()
+        server.server_close()
+
+
+def test_levels_verify_tokens_parity_and_schema(servers, tmp_path, capsys):
+    bench = load_script("bench_dynamic")
+    requests = tmp_path / "heldout.jsonl"
+    requests.write_text("".join(json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 999,
+                                            "temperature": 0.7}) + "\n" for text in ("hello", "diverge", "more")))
+    switch = tmp_path / "switch.json"
+    switch.write_text(json.dumps({"round_table": "r.json"}))
+    urls = [f"--url={name}={server.url}" for name, server in servers.items()]
+    assert bench.main(["--requests", str(requests), "--switch", str(switch), "--concurrency", "1,4",
+                       "--min-requests", "6", "--out-dir", str(tmp_path), *urls]) == 0
+    results = json.loads((tmp_path / "dynamic_h200.json").read_text())
+    runs = {(r["algorithm"], r["concurrency"]): r for r in results["runs"]}
+    assert set(runs) == {(a, c) for a in ("AR", "DSPINE-static", "DSPINE-dynamic") for c in (1, 4)}
+    assert runs["AR", 1]["accept_len"] == 1.0 and runs["AR", 1]["mean_verify_tokens"] == 1.0
+    assert runs["DSPINE-static", 4]["accept_len"] == pytest.approx(2.0)
+    assert runs["DSPINE-static", 4]["mean_verify_tokens"] == BLOCK
+    assert runs["DSPINE-dynamic", 4]["accept_len"] == pytest.approx(1.5)
+    assert runs["DSPINE-dynamic", 4]["mean_verify_tokens"] == pytest.approx((3 * BLOCK + 1) / 4)
+    level = next(lv for lv in results["levels"] if lv["algorithm"] == "DSPINE-dynamic" and lv["concurrency"] == 4)
+    assert level["requests"] == 8 and level["plain_steps"] == 8 and level["completion_tokens"] == 8 * TOKENS
+    # six requests cycle the three trace lines: two of them ("diverge") depart from AR at token 2
+    assert results["parity_c1"]["DSPINE-static"] == {"requests": 6, "identical": 6, "first_difference": []}
+    assert results["parity_c1"]["DSPINE-dynamic"] == {"requests": 6, "identical": 4, "first_difference": [2, 2]}
+    assert results["switch"] == {"round_table": "r.json"} and results["sglang"] == "0.5.17-stub"
+    bench.bs_mod.check_schema(results, bench.RESULTS_SCHEMA)
+    assert (tmp_path / "dynamic_h200.png").exists()
+    assert "DSPINE-dynamic" in capsys.readouterr().out
+
+
+def test_dynamic_needs_a_switch_file_and_requests_need_messages(tmp_path):
+    bench = load_script("bench_dynamic")
+    requests = tmp_path / "r.jsonl"
+    requests.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    with pytest.raises(bench.bs_mod.BenchError, match="--switch"):
+        bench.main(["--requests", str(requests), "--url", "AR=http://127.0.0.1:9", "--out-dir", str(tmp_path)])
+    requests.write_text('{"prompt": "x"}\n')
+    with pytest.raises(bench.bs_mod.BenchError, match=r"r.jsonl:1: .*messages"):
+        bench.load_requests(requests, 16)
