@@ -171,24 +171,38 @@ def parity_c1(passes: dict[str, list[dict]]) -> dict:
     return out
 
 
+def speedups(runs: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """Per config: (concurrency, output tok/s ÷ AR's at that concurrency), sorted."""
+    ar = {r["concurrency"]: r["output_tok_per_s"] for r in runs if r["algorithm"] == "AR"}
+    out: dict[str, list[tuple[int, float]]] = {}
+    for r in runs:
+        if r["algorithm"] != "AR" and r["concurrency"] in ar:
+            out.setdefault(r["algorithm"], []).append((r["concurrency"], r["output_tok_per_s"] / ar[r["concurrency"]]))
+    return {name: sorted(points) for name, points in out.items()}
+
+
 def plot(results: dict, out_dir: Path) -> Path | None:
+    """Throughput ÷ AR against concurrency; a `second_host` block (another run of the same benchmark,
+    e.g. other code) is drawn dashed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    ar = {r["concurrency"]: r["output_tok_per_s"] for r in results["runs"] if r["algorithm"] == "AR"}
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for name in CONFIGS[1:]:
-        pts = sorted((r["concurrency"], r["output_tok_per_s"] / ar[r["concurrency"]]) for r in results["runs"]
-                     if r["algorithm"] == name and r["concurrency"] in ar)
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    colours = dict(zip(CONFIGS[1:], ("tab:blue", "tab:orange", "tab:green")))
+    blocks = [(results["runs"], "-", "")]
+    if results.get("second_host"):
+        blocks.append((results["second_host"]["runs"], "--", " (second host)"))
+    for runs, style, suffix in blocks:
+        for name, points in speedups(runs).items():
+            ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", color=colours.get(name),
+                    label=name + suffix)
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set(xscale="log", xlabel="concurrency", ylabel="output tok/s ÷ AR",
            title=f"{Path(str(results.get('target', ''))).name or 'target'}: speculation vs AR ({results['device']})")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     path = out_dir / f"{RESULTS_NAME}.png"
     fig.savefig(path, dpi=120)
@@ -198,7 +212,7 @@ def plot(results: dict, out_dir: Path) -> Path | None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=Path, required=True, help="held-out OpenAI chat requests (JSONL)")
+    p.add_argument("--requests", type=Path, help="held-out OpenAI chat requests (JSONL)")
     p.add_argument("--switch", default=None, help="switch.json for DSPINE-dynamic (dspine tune-sps --plain-table)")
     p.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS[:3]),
                    help="comma-separated subset of " + ",".join(CONFIGS))
@@ -218,7 +232,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--device", default="NVIDIA H200")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--plot-only", action="store_true", help="redraw dynamic_h200.png from the JSON in --out-dir")
     args = p.parse_args(argv)
+    if args.requests is None and not args.plot_only:
+        p.error("--requests FILE is required (a held-out workload: python -m dspine.traces heldout TRACES --out FILE)")
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:
         p.error(f"unknown config(s) {sorted(unknown)}; choose from {CONFIGS}")
@@ -227,6 +244,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot_only:
+        print(plot(json.loads((args.out_dir / f"{RESULTS_NAME}.json").read_text()), args.out_dir))
+        return 0
     bodies = load_requests(args.requests, args.max_tokens)
     configs = server_configs(args)
     launcher = bs_mod._launcher(args)
@@ -263,6 +283,8 @@ def main(argv=None) -> int:
             print(f"[{name}] FAILED: {err}", flush=True)
         finally:
             launcher.stop(name)
+    results["speedup_vs_ar"] = {name: {str(c): round(x, 3) for c, x in points}
+                                for name, points in speedups(results["runs"]).items()}
     path = bs_mod.write_results(results, args.out_dir, RESULTS_NAME)
     plot(results, args.out_dir)
     ar = {r["concurrency"]: r["output_tok_per_s"] for r in results["runs"] if r["algorithm"] == "AR"}

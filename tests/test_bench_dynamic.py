@@ -74,6 +74,7 @@ def test_levels_verify_tokens_parity_and_schema(servers, tmp_path, capsys):
     # six requests cycle the three trace lines: two of them ("diverge") depart from AR at token 2
     assert results["parity_c1"]["DSPINE-static"] == {"requests": 6, "identical": 6, "first_difference": []}
     assert results["parity_c1"]["DSPINE-dynamic"] == {"requests": 6, "identical": 4, "first_difference": [2, 2]}
+    assert set(results["speedup_vs_ar"]) == {"DSPINE-static", "DSPINE-dynamic"}
     assert results["switch"] == {"round_table": "r.json"} and results["sglang"] == "0.5.17-stub"
     bench.bs_mod.check_schema(results, bench.RESULTS_SCHEMA)
     assert (tmp_path / "dynamic_h200.png").exists()
