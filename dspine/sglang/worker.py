@@ -31,10 +31,10 @@ injection); this worker only overrides the smallest seams around it:
   step's stream (no host sync in the worker); the rows are read when SGLang processes the result.
 - Speculation switch (`dspine.serving_switch`; off by default): with `DSPINE_DYNAMIC=switch.json`
   in the server's environment, before every decode step the host decides (no device sync) whether
-  the batch drafts or takes a plain step (`plain_step.PlainStep`: one token per request through a
-  width-1 target graph, the drafter's KV still appended). The drafter's confidence logits of each
-  drafted step are copied to the host on the step's stream and read one step later (an event, no
-  sync) to update each request's expected acceptance. `DSPINE_SWITCH=plain|draft` forces one kind
+  the batch drafts or takes a plain step (`plain_step.PlainStep`: one token per request through the
+  target's AR decode graphs and sampler, the drafter's KV still appended). The drafter's confidence
+  logits of each drafted step are copied to the host on the step's stream and handed to the switch
+  once an event says they landed (no sync), updating each request's expected acceptance. `DSPINE_SWITCH=plain|draft` forces one kind
   of step (plain: to measure the plain-step table). Not with grammar-constrained batches (they
   draft) nor hybrid ReplaySSM targets (refused at start).
 - GDN track slots (0.5.17, ReplaySSM targets): before a verify step, rebuild the batch's track
@@ -241,7 +241,7 @@ class DSpineWorkerV2(DFlashWorkerV2):
             rids, host, _ = pending.popleft()
             self._switch.observe(rids, host)
 
-    def _queue_confidence(self, batch, result) -> None:
+    def _record_drafted_step(self, batch, result) -> None:
         """Copy this drafted step's confidence logits [bs, N-1] to the host on the step's stream (the
         switch reads them once landed, usually a step or two later); tag the step's verify width."""
         rids = [req.rid for req in batch.reqs]
@@ -275,7 +275,7 @@ class DSpineWorkerV2(DFlashWorkerV2):
             compat.prepare_mamba_track_for_verify(batch)
         result = super().forward_batch_generation(batch, *args, **kwargs)
         if verify_step and self._switch is not None:
-            self._queue_confidence(batch, result)
+            self._record_drafted_step(batch, result)
         if verify_step and getattr(self, "_dspine_record_confidence", False):
             attach_confidence_record(result, self.draft_model)
         return result
