@@ -35,8 +35,10 @@ from dspine.sglang.rules import (
     check_parallelism,
     check_replayssm,
     check_single_chain,
+    check_switch_target,
     read_draft_block_size,
     resolve_num_draft_tokens,
+    resolve_step_switch,
 )
 
 PRESETS_DIR_ENV = "DSPINE_PRESETS_DIR"
@@ -334,6 +336,10 @@ def validate_flags(flags: dict[str, list[str]], environ: dict[str, str]) -> tupl
     check(check_draft_window, number("--speculative-draft-window-size"), num_draft_tokens)
     check(check_replayssm, "--enable-linear-replayssm-spec" in flags, number("--linear-replayssm-cache-len"),
           num_draft_tokens, environ.get(RAGGED_VERIFY_ENV))
+    try:
+        check_switch_target(resolve_step_switch(environ)[0], "--enable-linear-replayssm-spec" in flags)
+    except FlagError as e:
+        errors.append(str(e))
     return errors, notes
 
 

@@ -173,6 +173,23 @@ def test_replayssm_needs_static_verify(tmp_path):
     assert "Fix: unset SGLANG_RAGGED_VERIFY_MODE or set it to static." in cmd.errors[0]
 
 
+def test_the_speculation_switch_is_checked_before_launch(tmp_path):
+    """DSPINE_DYNAMIC / DSPINE_SWITCH in the environment: the same rules the worker applies, named
+    before anything starts (a missing switch file, both set, a hybrid ReplaySSM target)."""
+    draft = make_draft(tmp_path)
+    switch = tmp_path / "switch.json"
+    switch.write_text("{}")
+    assert command("qwen3-8b", "--speculative-draft-model-path", draft, environ={"DSPINE_DYNAMIC": str(switch)}).errors == []
+    missing = command("qwen3-8b", "--speculative-draft-model-path", draft,
+                      environ={"DSPINE_DYNAMIC": str(tmp_path / "none.json")})
+    assert len(missing.errors) == 1 and "no such file" in missing.errors[0]
+    both = command("qwen3-8b", "--speculative-draft-model-path", draft,
+                   environ={"DSPINE_DYNAMIC": str(switch), "DSPINE_SWITCH": "plain"})
+    assert len(both.errors) == 1 and "both set" in both.errors[0]
+    hybrid = command("qwen3.8-27b", "--speculative-draft-model-path", draft, environ={"DSPINE_SWITCH": "plain"})
+    assert len(hybrid.errors) == 1 and "hybrid linear-attention" in hybrid.errors[0]
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--pp-size", "2"], "--pp-size 2"),
     (["--enable-dp-attention"], "--enable-dp-attention"),

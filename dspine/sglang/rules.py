@@ -160,3 +160,11 @@ def resolve_step_switch(environ) -> tuple[str, str | None]:
                             "`dspine tune-sps --plain-table ...` wrote")
         return "dynamic", path
     return (forced, None) if forced is not None else ("static", None)
+
+
+def check_switch_target(policy: str, replayssm_on: bool) -> None:
+    """The speculation switch's plain steps do not commit ReplaySSM state: not with hybrid targets."""
+    if policy in ("dynamic", "plain") and replayssm_on:
+        raise FlagError(f"{SWITCH_FILE_ENV} / {FORCE_STEP_ENV} with --enable-linear-replayssm-spec: the speculation "
+                        "switch does not serve hybrid linear-attention targets (ReplaySSM verifies statically). "
+                        f"Fix: unset {SWITCH_FILE_ENV} and {FORCE_STEP_ENV}")

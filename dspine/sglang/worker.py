@@ -61,7 +61,7 @@ from dspine.serving_switch import ServingSwitch, SwitchConfig
 from dspine.sglang import compat
 from dspine.sglang.draft_model import DSpineDraftModel
 from dspine.sglang.plain_step import PlainStep, tag_verify_tokens
-from dspine.sglang.rules import SWITCH_FILE_ENV, FlagError, resolve_step_switch
+from dspine.sglang.rules import SWITCH_FILE_ENV, FlagError, check_switch_target, resolve_step_switch
 
 logger = logging.getLogger(__name__)
 
@@ -212,9 +212,7 @@ class DSpineWorkerV2(DFlashWorkerV2):
     def init_cuda_graphs(self):
         super().init_cuda_graphs()
         if self._step_policy in ("dynamic", "plain"):
-            if self._need_mamba_verify_commit:
-                raise FlagError(f"the speculation switch ({SWITCH_FILE_ENV} / DSPINE_SWITCH) does not serve hybrid "
-                                "linear-attention targets (ReplaySSM verifies statically). Fix: unset it")
+            check_switch_target(self._step_policy, self._need_mamba_verify_commit)
             self._plain_step = PlainStep(self)
             logger.info("DSPINE speculation switch: %s.", "per-step decisions from " + os.environ[SWITCH_FILE_ENV]
                         if self._switch is not None else "every decode step plain (DSPINE_SWITCH=plain)")
