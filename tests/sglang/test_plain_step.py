@@ -188,3 +188,36 @@ def test_worker_routes_decode_steps_by_the_switch():
     assert worker._drafts_this_step(SimpleNamespace(**{**vars(batch), "has_grammar": True})) is True
     penalised = SimpleNamespace(penalizer_orchestrator=SimpleNamespace(is_required=True))
     assert worker._drafts_this_step(SimpleNamespace(**{**vars(batch), "sampling_info": penalised})) is True
+
+
+def test_confidence_copies_reach_the_switch_in_order_once_landed():
+    """Copies in flight stay queued; landed ones are observed oldest first (a later step's values win);
+    the queue keeps at most MAX_PENDING_CONFIDENCE steps."""
+    from dspine.sglang import worker as worker_module
+
+    class Event:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    worker = DSpineWorkerV2.__new__(DSpineWorkerV2)
+    worker._switch = losing_switch()
+    later = Event(False)
+    worker._pending_confidence = collections.deque([
+        (["a"], torch.full((1, 3), -5.0), Event(True)), (["a"], torch.full((1, 3), 5.0), later)])
+    worker._observe_pending_confidence()
+    assert worker._switch.expected["a"] < 0.1 and len(worker._pending_confidence) == 1
+    later.done = True
+    worker._observe_pending_confidence()
+    assert worker._switch.expected["a"] > 2.5 and not worker._pending_confidence
+
+    worker.block_size = BLOCK
+    worker.draft_model = SimpleNamespace(recorded_confidence=lambda n: torch.zeros(n, 3))
+    batch = SimpleNamespace(reqs=[SimpleNamespace(rid="x")])
+    result = SimpleNamespace(logits_output=SimpleNamespace(customized_info=None))
+    for _ in range(worker_module.MAX_PENDING_CONFIDENCE + 2):
+        worker._record_drafted_step(batch, result)
+    assert len(worker._pending_confidence) == worker_module.MAX_PENDING_CONFIDENCE
+    assert result.logits_output.customized_info == {"dspine_verify_tokens": [BLOCK]}
