@@ -163,13 +163,17 @@ class DSpineWorkerV2(DFlashWorkerV2):
     """The DSPINE worker (see the module docstring). SGLang builds it as
     `DSpineWorkerV2(server_args=, gpu_id=, [ps=,] nccl_port=, target_worker=)`."""
 
+    # Static speculation until __init__ reads the environment (SGLang's `__getattr__` would send a
+    # missing attribute to the target worker).
+    _step_policy = "static"
+    _switch: Optional[ServingSwitch] = None
+    _plain_step: Optional[PlainStep] = None
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._step_policy, switch_file = resolve_step_switch(os.environ)
-        self._switch = None
         if switch_file is not None:
             self._switch = ServingSwitch(SwitchConfig.load(switch_file), int(self.block_size))
-        self._plain_step = None
         self._pending_confidence = collections.deque()   # (rids, host logits [bs, N-1], event) per drafted step
         self._attach_target_to_draft()
 
