@@ -538,6 +538,12 @@ def make_verify_budget(planner: VerifyPlanner, calibration: PositionCalibration 
 
 
 # ------------------------------------------------------------------------------------ recording
+def observed_survival(accept_len: Tensor, num_positions: int) -> Tensor:
+    """[num_positions] fp64: the share of rounds (accept_len [rounds], proposals accepted) that
+    accepted at least j+1 proposals."""
+    return (accept_len[:, None] > torch.arange(num_positions)).double().mean(0)
+
+
 class ConfidenceRecorder:
     """A `Proposer` that wraps a drafter and records, for every verified row-round, the raw
     confidence logits [N] and the number of proposals accepted (from the committed `keep`).
@@ -590,8 +596,7 @@ class ConfidenceRecorder:
     def observed_survival(self) -> Tensor:
         """[N] fp64: the share of recorded rounds that accepted at least j+1 proposals (a
         `DynamicVerifier`'s `prior_survival`)."""
-        n = self.logits.shape[1]
-        return (self.accept_len[:, None] > torch.arange(n)).double().mean(0)
+        return observed_survival(self.accept_len, self.logits.shape[1])
 
     def fit(self, **kwargs) -> PositionCalibration:
         """`PositionCalibration.fit` on everything recorded so far."""

@@ -265,13 +265,13 @@ def recorded_rounds(records: list[dict]):
 def observed_survival(records: list[dict]) -> list[float] | None:
     """[N-1]: the share of recorded verify steps that accepted at least j+1 proposals (the switch's
     prior), or None without per-step records."""
-    import torch
+    from dspine.dynamic_verification import observed_survival as survival
 
     rounds = recorded_rounds(records)
     if rounds is None:
         return None
     logits, accepted = rounds
-    return (accepted[:, None] > torch.arange(logits.shape[1])).double().mean(0).tolist()
+    return survival(accepted, logits.shape[1]).tolist()
 
 
 def fit_calibration(records: list[dict], dataset: str, affine: bool = False):
