@@ -29,6 +29,7 @@ import yaml
 
 from dspine.sglang.rules import (
     ALGORITHM,
+    PLAIN_TOKENS_ENV,
     RAGGED_VERIFY_ENV,
     FlagError,
     check_draft_window,
@@ -38,6 +39,7 @@ from dspine.sglang.rules import (
     check_switch_target,
     read_draft_block_size,
     resolve_num_draft_tokens,
+    resolve_plain_tokens,
     resolve_step_switch,
 )
 
@@ -338,6 +340,11 @@ def validate_flags(flags: dict[str, list[str]], environ: dict[str, str]) -> tupl
           num_draft_tokens, environ.get(RAGGED_VERIFY_ENV))
     try:
         check_switch_target(resolve_step_switch(environ)[0], "--enable-linear-replayssm-spec" in flags)
+        plain_tokens = resolve_plain_tokens(environ)
+        if plain_tokens is not None and num_draft_tokens is not None and plain_tokens > num_draft_tokens:
+            errors.append(f"{PLAIN_TOKENS_ENV}={plain_tokens} exceeds --speculative-num-draft-tokens "
+                          f"{num_draft_tokens}: SGLang reserves one block of KV slots per request and step. "
+                          f"Fix: {PLAIN_TOKENS_ENV}={num_draft_tokens} or less")
     except FlagError as e:
         errors.append(str(e))
     return errors, notes

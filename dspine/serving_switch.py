@@ -2,27 +2,28 @@
 
 SGLang's static verify graph is a padded executor of one width: a drafting step costs a draft
 forward plus an N-token verify per request, whatever the drafter's confidence. The worker has a
-second executor, the plain step (`dspine.sglang.plain_step`: one token per request, no draft,
-costing about an AR decode step). Per step, on the host and without a device sync, this switch
-picks the one with more expected tokens per second:
+second executor, the plain step (`dspine.sglang.plain_step`: K = `plain_tokens` AR decode steps of
+the target per request, no draft, SGLang's per-step scheduling paid once). Per step, on the host
+and without a device sync, this switch picks the one with more expected tokens per second:
 
 - each running request's expected accepted proposals for a drafting step, E[b] = sum_j S[b, j],
   from the calibrated confidence its last drafted step reported (`observe`, one step late under
   overlap scheduling), or `prior_survival` (the tune split's observed survival) for a request that
   has not drafted yet;
 - expected tokens of a drafting step over n requests: n + sum_b E[b]; its time T_round(n) from the
-  round table at n·N verify tokens; a plain step emits n tokens in T_plain(n) (plain table at n).
+  round table at n·N verify tokens; a plain step emits n·K tokens in T_plain(n) (plain table at n).
 
-A drafting step's loss is loss = T_round(n) - (n + sum_b E[b]) · T_plain(n) / n. While it loses, the
-switch decodes plainly for k = ceil(loss / (probe_share · T_plain(n))) steps (at most `max_backoff`,
+A drafting step's loss is loss = T_round(n) - (n + sum_b E[b]) · T_plain(n) / (n·K). While it
+loses, the switch decodes plainly for k = ceil(loss / (probe_share · T_plain(n))) steps (at most `max_backoff`,
 `backoff_rounds`) and then drafts once (a probe) to refresh the confidences; while it wins, it
-drafts. The reference engine's `DynamicVerifier` applies the same rule after each planned round.
+drafts. The reference engine's `DynamicVerifier` applies the same rule (K = 1: its plain round is one
+token) after each planned round.
 Both executors are exact, so outputs do not depend on the switch.
 
 The switch is configured by one JSON file (`SwitchConfig`, written by `dspine tune-sps
 --plain-table`), named by `DSPINE_DYNAMIC` in the server's environment:
 
-    {"round_table": "sps_table.json", "plain_table": "plain/sps_table.json",
+    {"round_table": "sps_table.json", "plain_table": "plain/sps_table.json", "plain_tokens": 8,
      "calibration": "sts_affine.json", "prior_survival": [0.49, 0.25, ...],
      "probe_share": 0.02, "max_backoff": 1024}
 
@@ -46,7 +47,8 @@ from dspine.dynamic_verification import (
     load_sps_table,
 )
 
-SWITCH_FIELDS = ("round_table", "plain_table", "calibration", "prior_survival", "probe_share", "max_backoff")
+SWITCH_FIELDS = ("round_table", "plain_table", "plain_tokens", "calibration", "prior_survival", "probe_share",
+                 "max_backoff")
 
 
 class SwitchConfigError(ValueError):
@@ -55,8 +57,9 @@ class SwitchConfigError(ValueError):
 
 @dataclass(frozen=True)
 class SwitchConfig:
-    """round_table: drafting steps (batch tokens n·N); plain_table: plain steps (batch tokens n);
-    calibration: per-position calibration of the confidence logits (None = raw sigmoid);
+    """round_table: drafting steps (batch tokens n·N); plain_table: plain steps (read at batch size n) of
+    plain_tokens target tokens per request; calibration: per-position calibration of the confidence
+    logits (None = raw sigmoid);
     prior_survival [N-1]: non-increasing, in [0, 1]."""
 
     round_table: CostTable
@@ -65,6 +68,7 @@ class SwitchConfig:
     prior_survival: tuple[float, ...]
     probe_share: float = 0.02
     max_backoff: int = 1024
+    plain_tokens: int = 1
     files: dict = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -107,21 +111,27 @@ class SwitchConfig:
             raise SwitchConfigError(f"{path}: calibration has {len(calibration.temperatures)} positions but "
                                     f"prior_survival {len(prior)}: both come from one drafter and block size")
         probe_share, max_backoff = data.get("probe_share", 0.02), data.get("max_backoff", 1024)
+        plain_tokens = data.get("plain_tokens", 1)
+        if not isinstance(plain_tokens, int) or isinstance(plain_tokens, bool) or plain_tokens < 1:
+            raise SwitchConfigError(f"{path}: plain_tokens={plain_tokens!r} must be an integer >= 1 (the "
+                                    "DSPINE_PLAIN_TOKENS the plain table was measured with)")
         if not isinstance(probe_share, (int, float)) or not 0 < probe_share <= 1:
             raise SwitchConfigError(f"{path}: probe_share={probe_share!r} must lie in (0, 1]")
         if not isinstance(max_backoff, int) or isinstance(max_backoff, bool) or max_backoff < 1:
             raise SwitchConfigError(f"{path}: max_backoff={max_backoff!r} must be an integer >= 1")
         return cls(table("round_table"), table("plain_table"), calibration, tuple(float(p) for p in prior),
-                   float(probe_share), max_backoff, files={k: data[k] for k in ("round_table", "plain_table",
+                   float(probe_share), max_backoff, plain_tokens, files={k: data[k] for k in ("round_table", "plain_table",
                                                                               "calibration") if k in data})
 
 
 def write_switch_file(path: str | Path, *, round_table: str, plain_table: str, calibration: str | None,
-                      prior_survival: Sequence[float], probe_share: float = 0.02, max_backoff: int = 1024) -> None:
+                      prior_survival: Sequence[float], probe_share: float = 0.02, max_backoff: int = 1024,
+                      plain_tokens: int = 1) -> None:
     """Write a switch file (paths as given: relative ones are read against `path`'s folder) and check
     that it loads, so a bad table or calibration fails here, not in the server."""
     path = Path(path)
-    text = json.dumps({"round_table": round_table, "plain_table": plain_table, "calibration": calibration,
+    text = json.dumps({"round_table": round_table, "plain_table": plain_table, "plain_tokens": plain_tokens,
+                       "calibration": calibration,
                        "prior_survival": [round(float(p), 6) for p in prior_survival],
                        "probe_share": probe_share, "max_backoff": max_backoff}, indent=2) + "\n"
     tmp = path.with_name(path.name + ".tmp")
@@ -144,6 +154,10 @@ class ServingSwitch:
         if len(config.prior_survival) != block_size - 1:
             raise SwitchConfigError(f"the switch's prior_survival has {len(config.prior_survival)} positions but the "
                                     f"drafter proposes {block_size - 1} per block: tune on this drafter")
+        if config.plain_tokens > block_size:
+            raise SwitchConfigError(f"the switch's plain_tokens={config.plain_tokens} exceeds the block size {block_size} "
+                                    "(SGLang reserves one block of KV slots per request and step): measure the plain "
+                                    f"table with DSPINE_PLAIN_TOKENS <= {block_size}")
         self.config, self.block_size = config, int(block_size)
         self.prior_expected = float(sum(config.prior_survival))
         self.expected: dict[str, float] = {}        # rid -> expected accepted proposals of a drafted step
@@ -165,7 +179,7 @@ class ServingSwitch:
         n = len(rids)
         t_round, t_plain = self.step_seconds(n)
         expected = n + sum(self.expected.get(r, self.prior_expected) for r in rids)
-        return t_round - expected * t_plain / n, t_plain
+        return t_round - expected * t_plain / (n * self.config.plain_tokens), t_plain
 
     def decide(self, rids: Sequence[str]) -> bool:
         if not rids:

@@ -30,9 +30,10 @@ unless `--restart`):
   heldout`): predicted vs observed acceptance per position, in points, and survival ECE raw vs
   calibrated.
 * `switch.json` with `--plain-table FILE` (the `sps_table.json` of a run against the same server
-  started with `DSPINE_SWITCH=plain`, measured with `--verify-tokens 1`): the speculation switch's
-  file (`dspine.serving_switch`): this run's table for drafting steps, FILE for plain steps, the
-  affine calibration and the prior (the acceptance records' observed survival per position).
+  started with `DSPINE_SWITCH=plain DSPINE_PLAIN_TOKENS=K`, measured with `--verify-tokens 1`; pass
+  the same `--plain-tokens K`): the speculation switch's file (`dspine.serving_switch`): this run's
+  table for drafting steps, FILE for plain steps of K tokens, the affine calibration and the prior
+  (the acceptance records' observed survival per position).
   Serve with `DSPINE_DYNAMIC=<out>/switch.json` in the server's environment.
 * `manifest.json`, `sps.png` (+ `calibration.png`; skipped without matplotlib), and the
   `dspine serve` command that uses them, printed last.
@@ -546,7 +547,8 @@ def tune(args, url: str, requests: list[TraceRequest], reference=None) -> int:
 
         try:
             write_switch_file(out / SWITCH, round_table=TABLE, plain_table=str(Path(args.plain_table).resolve()),
-                              calibration=STS_AFFINE, prior_survival=observed_survival(records))
+                              calibration=STS_AFFINE, prior_survival=observed_survival(records),
+                              plain_tokens=args.plain_tokens)
         except SwitchConfigError as err:
             raise TuningError(f"--plain-table {args.plain_table}: {err}") from None
         files["switch"] = SWITCH
@@ -610,6 +612,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the sps_table.json of a run against this deployment started with DSPINE_SWITCH=plain "
                              "(and --verify-tokens 1): also write switch.json for DSPINE_DYNAMIC (the per-step "
                              "draft-or-plain switch)")
+    parser.add_argument("--plain-tokens", type=int, default=1, metavar="K",
+                        help="target tokens per plain step: the DSPINE_PLAIN_TOKENS the --plain-table server ran with "
+                             "(default 1); written into switch.json")
     parser.add_argument("--gpu", default=None, help="GPU name for the manifest (SGLang's /server_info has none)")
     parser.add_argument("--level-timeout", type=float, default=600.0, help="seconds per level before stopping")
     parser.add_argument("--request-timeout", type=float, default=600.0)
@@ -621,6 +626,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, serve_args: list[str]) -> int:
     try:
         requests = load_traces(args.traces, split=args.split)       # before any server is started
+        if args.plain_tokens < 1:
+            raise TuningError(f"--plain-tokens {args.plain_tokens}: a positive integer (the DSPINE_PLAIN_TOKENS of "
+                              "the --plain-table server)")
         if args.plain_table and not Path(args.plain_table).is_file():
             raise TuningError(f"--plain-table {args.plain_table}: no such file (the sps_table.json of a tune-sps run "
                               "against this deployment started with DSPINE_SWITCH=plain)")

@@ -8,8 +8,8 @@ One SGLang server at a time (`bench_serving`'s launchers: `.gpu/host/serve.sh` o
 * `DSPINE-dynamic`: the same flags with `DSPINE_DYNAMIC=<--switch>` in the server's environment
   (the speculation switch, `dspine.serving_switch`, tuned by `dspine tune-sps --plain-table` on the
   traces' tune split);
-* `DSPINE-plain` (optional, a diagnostic): `DSPINE_SWITCH=plain`, every decode step plain: what a
-  plain step costs against AR's.
+* `DSPINE-plain` (optional, a diagnostic): `DSPINE_SWITCH=plain DSPINE_PLAIN_TOKENS=<--plain-tokens>`,
+  every decode step plain: what a plain step costs against AR's.
 
 Workload: `--requests` (a JSONL of OpenAI chat requests, e.g. the held-out split written by
 `python -m dspine.traces heldout TRACES --out FILE`; never the split the switch was tuned on), cycled; at each
@@ -143,7 +143,7 @@ def server_configs(args) -> dict[str, tuple[list[str], dict[str, str]]]:
             "--speculative-draft-attention-backend", "triton", "--speculative-draft-model-path", args.draft]
     configs = {"AR": (common, {}), "DSPINE-static": (spec, {}),
                "DSPINE-dynamic": (spec, {"DSPINE_DYNAMIC": str(Path(args.switch).resolve())} if args.switch else None),
-               "DSPINE-plain": (spec, {"DSPINE_SWITCH": "plain"})}
+               "DSPINE-plain": (spec, {"DSPINE_SWITCH": "plain", "DSPINE_PLAIN_TOKENS": str(args.plain_tokens)})}
     chosen = {}
     for name in args.configs:
         flags, env = configs[name]
@@ -214,6 +214,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=Path, help="held-out OpenAI chat requests (JSONL)")
     p.add_argument("--switch", default=None, help="switch.json for DSPINE-dynamic (dspine tune-sps --plain-table)")
+    p.add_argument("--plain-tokens", type=int, default=1,
+                   help="DSPINE-plain: target tokens per plain step (DSPINE_PLAIN_TOKENS; use the switch file's)")
     p.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS[:3]),
                    help="comma-separated subset of " + ",".join(CONFIGS))
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64, 128])

@@ -188,6 +188,13 @@ def test_the_speculation_switch_is_checked_before_launch(tmp_path):
     assert len(both.errors) == 1 and "both set" in both.errors[0]
     hybrid = command("qwen3.8-27b", "--speculative-draft-model-path", draft, environ={"DSPINE_SWITCH": "plain"})
     assert len(hybrid.errors) == 1 and "hybrid linear-attention" in hybrid.errors[0]
+    plain8 = {"DSPINE_SWITCH": "plain", "DSPINE_PLAIN_TOKENS": "8"}
+    assert command("qwen3-8b", "--speculative-draft-model-path", draft, environ=plain8).errors == []
+    (tmp_path / "b4").mkdir()
+    long = command("qwen3-8b", "--speculative-draft-model-path", make_draft(tmp_path / "b4", block_size=4),
+                   "--speculative-num-draft-tokens", "4", environ=plain8)
+    assert long.errors == ["DSPINE_PLAIN_TOKENS=8 exceeds --speculative-num-draft-tokens 4: SGLang reserves one "
+                           "block of KV slots per request and step. Fix: DSPINE_PLAIN_TOKENS=4 or less"]
 
 
 @pytest.mark.parametrize("flags, needle", [

@@ -12,15 +12,15 @@ import torch
 
 from dspine.dynamic_verification import PositionCalibration, SpsCostTable
 from dspine.serving_switch import ServingSwitch, SwitchConfig, SwitchConfigError, write_switch_file
-from dspine.sglang.rules import FlagError, resolve_step_switch
+from dspine.sglang.rules import FlagError, resolve_plain_tokens, resolve_step_switch
 
 BLOCK = 4                                   # anchor + 3 proposals
 PLAIN = SpsCostTable((1, 4, 16), (1000.0, 800.0, 400.0), 16)               # T_plain: 1.0 / 1.25 / 2.5 ms
 ROUND = SpsCostTable((4, 16, 64), (400.0, 300.0, 100.0), 64)               # T_round: 2.5 / 3.33 / 10 ms
 
 
-def config(prior, calibration=None, probe_share=0.02, max_backoff=1024) -> SwitchConfig:
-    return SwitchConfig(ROUND, PLAIN, calibration, tuple(prior), probe_share, max_backoff)
+def config(prior, calibration=None, probe_share=0.02, max_backoff=1024, plain_tokens=1) -> SwitchConfig:
+    return SwitchConfig(ROUND, PLAIN, calibration, tuple(prior), probe_share, max_backoff, plain_tokens)
 
 
 def loss_by_hand(n: int, expected_per_request: float) -> tuple[float, float]:
@@ -62,6 +62,21 @@ def test_confident_requests_draft_every_step_and_observe_updates_them():
     assert switch.loss(mixed)[0] == pytest.approx(1 / 300 - (4 + 3 * (p + p * p + p ** 3) + 0.4) * (1 / 800) / 4)
 
 
+def test_a_k_token_plain_step_divides_the_plain_cost_per_token_by_k():
+    """Plain steps of K = 3 tokens per request: the same drafting step is weighed against T_plain(n)/(n·3)
+    per token. At 4 requests with 2.9 expected proposals each, drafting wins against one-token plain
+    steps (3.33 ms vs 4 x 3.9 x 1.25 / 4 = 4.9 ms) and loses against three-token ones (1.6 ms)."""
+    rids = ["a", "b", "c", "d"]
+    one, three = ServingSwitch(config([0.99, 0.97, 0.94]), BLOCK), ServingSwitch(config([0.99, 0.97, 0.94],
+                                                                                          plain_tokens=3), BLOCK)
+    expected = 4 * (1 + 0.99 + 0.97 + 0.94)
+    assert one.loss(rids)[0] == pytest.approx(1 / 300 - expected * (1 / 800) / 4)
+    assert three.loss(rids)[0] == pytest.approx(1 / 300 - expected * (1 / 800) / 12)
+    assert one.decide(rids) is True and three.decide(rids) is False
+    with pytest.raises(SwitchConfigError, match="exceeds the block size 4"):
+        ServingSwitch(config([0.5, 0.2, 0.1], plain_tokens=5), BLOCK)
+
+
 def test_calibration_is_applied_before_the_cumprod():
     """observe goes through the per-position calibration: a bias of -8 at position 1 makes every later
     position's survival near zero, whatever the raw logits."""
@@ -95,6 +110,13 @@ def test_switch_file_round_trip_and_errors(tmp_path):
     loaded = SwitchConfig.load(path)
     assert loaded == config([0.5, 0.25, 0.1], PositionCalibration((1.0, 2.0, 3.0)))
 
+    write_switch_file(path, round_table="round.json", plain_table="plain.json", calibration="sts.json",
+                      prior_survival=[0.5, 0.25, 0.1], plain_tokens=4)
+    assert SwitchConfig.load(path).plain_tokens == 4
+    for bad_tokens in (0, "8", True):
+        with pytest.raises(SwitchConfigError, match="plain_tokens"):
+            write_switch_file(tmp_path / "k.json", round_table="round.json", plain_table="plain.json",
+                              calibration=None, prior_survival=[0.5, 0.2, 0.1], plain_tokens=bad_tokens)
     with pytest.raises(SwitchConfigError, match="non-increasing"):
         write_switch_file(tmp_path / "bad.json", round_table="round.json", plain_table="plain.json",
                           calibration=None, prior_survival=[0.2, 0.5, 0.1])
@@ -125,3 +147,19 @@ def test_server_environment_rules(tmp_path):
         resolve_step_switch({"DSPINE_SWITCH": "sometimes"})
     with pytest.raises(FlagError, match="no such file"):
         resolve_step_switch({"DSPINE_DYNAMIC": str(tmp_path / "nope.json")})
+
+
+def test_plain_tokens_come_from_the_environment_only_for_forced_plain_steps(tmp_path):
+    switch_file = tmp_path / "switch.json"
+    switch_file.write_text("{}")
+    assert resolve_plain_tokens({}) is None
+    assert resolve_plain_tokens({"DSPINE_DYNAMIC": str(switch_file)}) is None
+    assert resolve_plain_tokens({"DSPINE_SWITCH": "plain"}) == 1
+    assert resolve_plain_tokens({"DSPINE_SWITCH": "plain", "DSPINE_PLAIN_TOKENS": "8"}) == 8
+    for value in ("0", "-2", "eight"):
+        with pytest.raises(FlagError, match="positive integer"):
+            resolve_plain_tokens({"DSPINE_SWITCH": "plain", "DSPINE_PLAIN_TOKENS": value})
+    with pytest.raises(FlagError, match="the switch file"):
+        resolve_plain_tokens({"DSPINE_DYNAMIC": str(switch_file), "DSPINE_PLAIN_TOKENS": "8"})
+    with pytest.raises(FlagError, match="only plain steps"):
+        resolve_plain_tokens({"DSPINE_PLAIN_TOKENS": "8"})

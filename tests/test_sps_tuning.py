@@ -205,9 +205,10 @@ def test_new_step_times_diff():
 @pytest.mark.parametrize("stub", [True], indirect=True)
 def test_plain_table_writes_the_switch_file(stub, tmp_path, capsys):
     """--plain-table: a plain run's table (--verify-tokens 1) and a drafting run give switch.json with
-    the drafting table, the plain table, the affine calibration and the records' observed survival
-    (recomputed here from acceptance.jsonl); it loads as a SwitchConfig; the printed command sets
-    DSPINE_DYNAMIC. A missing plain table is refused before any replay."""
+    the drafting table, the plain table and its tokens per step, the affine calibration and the records'
+    observed survival (recomputed here from acceptance.jsonl); it loads as a SwitchConfig; the printed
+    command sets DSPINE_DYNAMIC. A missing plain table or a bad --plain-tokens is refused before any
+    replay."""
     from dspine.serving_switch import SwitchConfig
 
     plain, drafting = tmp_path / "plain", tmp_path / "draft"
@@ -216,13 +217,14 @@ def test_plain_table_writes_the_switch_file(stub, tmp_path, capsys):
     assert 1 in probes and set(probes) <= {1, 2, 3, 4}
     capsys.readouterr()
     assert tune(stub, drafting, "--concurrencies", "1,4", "--acceptance-requests", "8",
-                "--plain-table", str(plain / "sps_table.json")) == 0
+                "--plain-table", str(plain / "sps_table.json"), "--plain-tokens", "8") == 0
     printed = capsys.readouterr().out
     assert f"DSPINE_DYNAMIC={(drafting / 'switch.json').resolve()} dspine serve" in printed
     config = SwitchConfig.load(drafting / "switch.json")
     assert config.round_table == load_sps_table(drafting / "sps_table.json")
     assert config.plain_table == load_sps_table(plain / "sps_table.json")
     assert config.calibration == PositionCalibration.load(drafting / "sts_affine.json")
+    assert config.plain_tokens == 8
     accepted = [a for line in (drafting / "acceptance.jsonl").read_text().splitlines()
                 for a in json.loads(line)["dspine_accept_lens"]]
     expected = [sum(a > j for a in accepted) / len(accepted) for j in range(len(TRUE_TEMPS))]
@@ -232,3 +234,6 @@ def test_plain_table_writes_the_switch_file(stub, tmp_path, capsys):
     calls = stub.chat_calls
     assert tune(stub, tmp_path / "x", "--concurrencies", "1", "--plain-table", str(tmp_path / "none.json")) == 2
     assert stub.chat_calls == calls and "--plain-table" in capsys.readouterr().err
+    assert tune(stub, tmp_path / "y", "--concurrencies", "1", "--plain-table", str(plain / "sps_table.json"),
+                "--plain-tokens", "0") == 2
+    assert stub.chat_calls == calls and "--plain-tokens 0" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`PlainStep`: the DSPINE worker's plain decoding step (one token per request, no draft).
+"""`PlainStep`: the DSPINE worker's plain decoding step (K target tokens per request, no draft).
 
 The off side of the speculation switch (`dspine.serving_switch`). SGLang's DFlash worker captures
 the target's graphs in TARGET_VERIFY mode, N tokens per request, and that mode runs its attention as
@@ -9,19 +9,28 @@ capture for the drafter's context and an attention backend of its own workspace,
 adaptive runtime states do for each step count; `active()` swaps them into the target's model runner
 for the plain step only.
 
-One plain step over a decode batch of bs requests (the DFlash draft input holds each request's last
-committed token, the "bonus"):
+One plain step of K tokens (`tokens`, 1 <= K <= N) over a decode batch of bs requests (the DFlash
+draft input holds each request's last committed token, the "bonus"):
 
-1. the batch is presented to the target worker as an AR decode batch for the call: input = that
-   token, sequence lengths + 1, KV slot = `req_to_token[req, seq_len]` (the scheduler reserves a
-   block of slots per step either way), no spec input; restored afterwards;
+1. K times: the batch is presented to the target worker as an AR decode batch: input = the last
+   token, sequence lengths + i + 1, KV slot = `req_to_token[req, seq_len + i]` (the scheduler
+   reserves a block of N slots per request and step either way), no spec input; restored afterwards;
 2. the target worker runs it as it runs AR (decode graph, then SGLang's own sampler: greedy or
    sampled exactly as AR) with FULL hidden capture: next tokens [bs], aux hidden states [bs, H_ctx];
-3. the anchor's target hidden states go into the draft KV cache at its slot, exactly what a
-   drafting step commits for an accepted position, so the drafter's context never has a gap;
-4. the result in the DFlash format: out tokens [bs, N] with the new token in column 0, commit
-   lengths 1, sequence lengths + 1; SGLang's `customized_info` gets one `dspine_verify_tokens`
-   entry (1) per request, as a drafting step under the switch gets N.
+   so the K tokens are exactly the target's own AR continuation;
+3. the K positions' target hidden states [bs*K, H_ctx] go into the draft KV cache at their slots in
+   one call, exactly what a drafting step commits for accepted positions, so the drafter's context
+   never has a gap;
+4. the result in the DFlash format: out tokens [bs, N] with the K new tokens in columns 0..K-1,
+   commit lengths K, sequence lengths + K; SGLang's `customized_info` gets one `dspine_verify_tokens`
+   entry (1: the width of each target forward) per request, as a drafting step under the switch gets N.
+
+Why K > 1: on a small target SGLang's scheduler, not the GPU, sets the step time (the 2026-12-01
+H200 profile: 1.25 ms per AR step at one request, 0.82 ms of it host work in `run_batch`). A K-token
+plain step pays the scheduler's per-step work (batch preparation, KV reservation, result
+processing, overlap bookkeeping) once per K tokens, like a drafting step whose proposals are always
+accepted. Tokens past a request's end (stop token, max_tokens) are dropped by SGLang's result
+processing, as past-the-end accepted drafts are: at most K-1 wasted target forwards per request.
 
 The worker drafts for grammar-constrained batches, batches with penalties (their state follows the
 speculative path) and hybrid (ReplaySSM) targets.
@@ -76,8 +85,11 @@ def tag_verify_tokens(logits_output, bs: int, width: int) -> None:
 class PlainStep:
     """Built by the worker after SGLang captured its own graphs (`init_cuda_graphs`)."""
 
-    def __init__(self, worker) -> None:
-        self.worker = worker
+    def __init__(self, worker, tokens: int = 1) -> None:
+        if not 1 <= int(tokens) <= int(worker.block_size):
+            raise ValueError(f"a plain step of {tokens} tokens: it must lie in [1, {worker.block_size}] (the block "
+                             "size: SGLang reserves one block of KV slots per request and step)")
+        self.worker, self.tokens = worker, int(tokens)
         self.runner = worker.target_worker.model_runner
         saved = getattr(self.runner, "init_new_workspace", None)
         try:
@@ -89,7 +101,7 @@ class PlainStep:
         if self.runner.decode_cuda_graph_runner is not None:   # SGLang captured graphs: so do we
             with self.active():
                 self.graph_runner = capture_decode_graphs(self.runner, self.attn_backend)
-        logger.info("DSPINE plain step ready (AR decode, %s).",
+        logger.info("DSPINE plain step ready (%d AR decode step(s) per scheduler step, %s).", self.tokens,
                     "CUDA graphs for batch sizes up to %d" % self.graph_runner.max_bs if self.graph_runner
                     else "eager")
 
@@ -107,53 +119,62 @@ class PlainStep:
             runner.attn_backend, runner.decode_cuda_graph_runner = saved
 
     def run(self, batch, on_publish=None):
-        """One plain step for the decode `batch` (a ScheduleBatch whose spec_info is the DFlash draft
-        input); returns SGLang's GenerationBatchResult in the DFlash format (module docstring)."""
-        w = self.worker
+        """One plain step of `self.tokens` tokens for the decode `batch` (a ScheduleBatch whose spec_info
+        is the DFlash draft input); returns SGLang's GenerationBatchResult in the DFlash format."""
+        w, k = self.worker, self.tokens
         draft_input = batch.spec_info
         if batch.seq_lens.is_cuda:
             batch.seq_lens.record_stream(torch.cuda.current_stream())
         bs, width = len(batch.seq_lens), int(w.block_size)
         prefix_lens = batch.seq_lens
-        positions = prefix_lens.to(torch.int64)
+        device = prefix_lens.device
+        positions = prefix_lens.to(torch.int64)[:, None] + torch.arange(k, dtype=torch.int64, device=device)
         req_to_token = w.model_runner.req_to_token_pool.req_to_token
-        cache_loc = req_to_token[batch.req_pool_indices.long(), positions].to(torch.int64)
-        new_seq_lens = prefix_lens + 1
+        cache_loc = req_to_token[batch.req_pool_indices.long()[:, None], positions].to(torch.int64)   # [bs, k]
+        step_cache_loc = cache_loc.t().contiguous()                                                   # [k, bs]
+        step_seq_lens = (positions + 1).t().to(prefix_lens.dtype).contiguous()                        # [k, bs]
+        out_tokens = torch.zeros((bs, width), dtype=torch.int64, device=device)
+        hidden = None
 
         saved = {name: getattr(batch, name) for name in _DECODE_FIELDS}
-        batch.forward_mode = dflash.ForwardMode.DECODE
-        batch.input_ids = draft_input.bonus_tokens.view(-1).to(torch.int64)
-        batch.seq_lens = new_seq_lens
-        batch.out_cache_loc = cache_loc
-        batch.spec_info = None
-        if saved["seq_lens_cpu"] is not None:
-            batch.seq_lens_cpu = saved["seq_lens_cpu"] + 1
-            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
-        elif saved["seq_lens_sum"] is not None:
-            batch.seq_lens_sum = saved["seq_lens_sum"] + bs
+        token = draft_input.bonus_tokens.view(-1).to(torch.int64)
         try:
             with self.active():
-                out = w.target_worker.forward_batch_generation(batch, capture_hidden_mode=dflash.CaptureHiddenMode.FULL)
+                batch.forward_mode, batch.spec_info = dflash.ForwardMode.DECODE, None
+                for i in range(k):
+                    batch.input_ids, batch.seq_lens, batch.out_cache_loc = token, step_seq_lens[i], step_cache_loc[i]
+                    if saved["seq_lens_cpu"] is not None:
+                        batch.seq_lens_cpu = saved["seq_lens_cpu"] + (i + 1)
+                        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+                    elif saved["seq_lens_sum"] is not None:
+                        batch.seq_lens_sum = saved["seq_lens_sum"] + bs * (i + 1)
+                    out = w.target_worker.forward_batch_generation(batch,
+                                                                   capture_hidden_mode=dflash.CaptureHiddenMode.FULL)
+                    token = out.next_token_ids.view(-1).to(torch.int64)
+                    out_tokens[:, i] = token
+                    step_hidden = out.logits_output.hidden_states
+                    if step_hidden is None:
+                        raise RuntimeError("DSPINE plain step: the target returned no hidden states for the "
+                                           "drafter's context")
+                    step_hidden = step_hidden.reshape(bs, -1)
+                    if hidden is None:
+                        hidden = step_hidden.new_empty((bs, k, step_hidden.shape[-1]))
+                    hidden[:, i].copy_(step_hidden)     # the graph's output buffer is rewritten by the next replay
         finally:
             for name, value in saved.items():
                 setattr(batch, name, value)
-        next_ids = out.next_token_ids.view(-1).to(torch.int64)
 
-        commit_lens = torch.ones((bs,), dtype=torch.int32, device=prefix_lens.device)
+        new_seq_lens = prefix_lens + k
+        commit_lens = torch.full((bs,), k, dtype=torch.int32, device=device)
         if on_publish is not None:
             on_publish(new_seq_lens)
+        w._append_target_hidden_to_draft_kv_by_loc(target_hidden=hidden.reshape(bs * k, -1),
+                                                   cache_loc=cache_loc.reshape(-1), positions=positions.reshape(-1))
         logits_output = out.logits_output
-        hidden = logits_output.hidden_states
-        if hidden is None:
-            raise RuntimeError("DSPINE plain step: the target returned no hidden states for the drafter's context")
-        w._append_target_hidden_to_draft_kv_by_loc(target_hidden=hidden.reshape(bs, -1), cache_loc=cache_loc,
-                                                   positions=positions)
         logits_output.hidden_states = None
         tag_verify_tokens(logits_output, bs, 1)
-        out_tokens = torch.zeros((bs, width), dtype=torch.int64, device=next_ids.device)
-        out_tokens[:, 0] = next_ids
         return dflash.GenerationBatchResult(
             logits_output=logits_output, next_token_ids=out_tokens.reshape(-1), accept_lens=commit_lens,
             can_run_cuda_graph=out.can_run_cuda_graph,
-            next_draft_input=w._make_next_draft_input_decode(bonus_tokens=next_ids, new_seq_lens=new_seq_lens),
+            next_draft_input=w._make_next_draft_input_decode(bonus_tokens=token, new_seq_lens=new_seq_lens),
             speculative_num_draft_tokens=width, new_seq_lens=new_seq_lens)

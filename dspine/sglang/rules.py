@@ -142,6 +142,7 @@ def check_replayssm(enabled: bool, cache_len: int | None, num_draft_tokens: int,
 SWITCH_FILE_ENV = "DSPINE_DYNAMIC"   # a switch file (dspine.serving_switch): draft or decode plainly per step
 FORCE_STEP_ENV = "DSPINE_SWITCH"     # "plain" | "draft": every decode step one kind (tables, diagnostics)
 FORCED_STEPS = ("plain", "draft")
+PLAIN_TOKENS_ENV = "DSPINE_PLAIN_TOKENS"   # with DSPINE_SWITCH=plain: target tokens per plain step (default 1)
 
 
 def resolve_step_switch(environ) -> tuple[str, str | None]:
@@ -149,8 +150,8 @@ def resolve_step_switch(environ) -> tuple[str, str | None]:
     ("dynamic", switch file) with DSPINE_DYNAMIC, ("plain"|"draft", None) with DSPINE_SWITCH."""
     path, forced = environ.get(SWITCH_FILE_ENV) or None, environ.get(FORCE_STEP_ENV) or None
     if forced is not None and forced not in FORCED_STEPS:
-        raise FlagError(f"{FORCE_STEP_ENV}={forced!r}: use 'plain' (every decode step one plain token per "
-                        f"request, e.g. to measure the plain-step table) or 'draft' (every step drafts), or unset it")
+        raise FlagError(f"{FORCE_STEP_ENV}={forced!r}: use 'plain' (every decode step plain, "
+                        f"{PLAIN_TOKENS_ENV} tokens per request, e.g. to measure the plain-step table) or 'draft' (every step drafts), or unset it")
     if path is not None and forced is not None:
         raise FlagError(f"{SWITCH_FILE_ENV} and {FORCE_STEP_ENV} are both set: the switch file decides per step, "
                         f"{FORCE_STEP_ENV} forces one kind of step. Fix: unset one of them")
@@ -160,6 +161,30 @@ def resolve_step_switch(environ) -> tuple[str, str | None]:
                             "`dspine tune-sps --plain-table ...` wrote")
         return "dynamic", path
     return (forced, None) if forced is not None else ("static", None)
+
+
+def resolve_plain_tokens(environ) -> int | None:
+    """DSPINE_PLAIN_TOKENS (with DSPINE_SWITCH=plain): target tokens per plain step, 1 when unset; None
+    when no step is forced plain (a switch file carries its own `plain_tokens`, measured with it)."""
+    policy, _ = resolve_step_switch(environ)
+    value = environ.get(PLAIN_TOKENS_ENV) or None
+    if policy != "plain":
+        if value is not None:
+            where = (f"the switch file ({SWITCH_FILE_ENV}) sets plain_tokens, the value its plain table was "
+                     "measured with" if policy == "dynamic" else "only plain steps read it")
+            raise FlagError(f"{PLAIN_TOKENS_ENV}={value} without {FORCE_STEP_ENV}=plain: {where}. "
+                            f"Fix: unset {PLAIN_TOKENS_ENV}")
+        return None
+    if value is None:
+        return 1
+    try:
+        tokens = int(value)
+    except ValueError:
+        tokens = 0
+    if tokens < 1:
+        raise FlagError(f"{PLAIN_TOKENS_ENV}={value!r}: a positive integer (target tokens per plain step, at most "
+                        "the block size), e.g. 8")
+    return tokens
 
 
 def check_switch_target(policy: str, replayssm_on: bool) -> None:

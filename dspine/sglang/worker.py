@@ -31,12 +31,13 @@ injection); this worker only overrides the smallest seams around it:
   step's stream (no host sync in the worker); the rows are read when SGLang processes the result.
 - Speculation switch (`dspine.serving_switch`; off by default): with `DSPINE_DYNAMIC=switch.json`
   in the server's environment, before every decode step the host decides (no device sync) whether
-  the batch drafts or takes a plain step (`plain_step.PlainStep`: one token per request through the
-  target's AR decode graphs and sampler, the drafter's KV still appended). The drafter's confidence
-  logits of each drafted step are copied to the host on the step's stream and handed to the switch
-  once an event says they landed (no sync), updating each request's expected acceptance. `DSPINE_SWITCH=plain|draft` forces one kind
-  of step (plain: to measure the plain-step table). Not with grammar-constrained batches (they
-  draft) nor hybrid ReplaySSM targets (refused at start).
+  the batch drafts or takes a plain step (`plain_step.PlainStep`: K tokens per request through the
+  target's AR decode graphs and sampler, K = the switch file's `plain_tokens`, the drafter's KV still
+  appended). The drafter's confidence logits of each drafted step are copied to the host on the
+  step's stream and handed to the switch once an event says they landed (no sync), updating each
+  request's expected acceptance. `DSPINE_SWITCH=plain|draft` forces one kind of step (plain,
+  `DSPINE_PLAIN_TOKENS` tokens per step: to measure the plain-step table). Not with
+  grammar-constrained batches (they draft) nor hybrid ReplaySSM targets (refused at start).
 - GDN track slots (0.5.17, ReplaySSM targets): before a verify step, rebuild the batch's track
   indices from its requests (`spec_utils.prepare_mamba_track_for_verify`), which 0.5.17's DFlash
   verify omits (0.5.20+ does it itself); otherwise the commit below writes into the radix cache's slot.
@@ -61,7 +62,13 @@ from dspine.serving_switch import ServingSwitch, SwitchConfig
 from dspine.sglang import compat
 from dspine.sglang.draft_model import DSpineDraftModel
 from dspine.sglang.plain_step import PlainStep, tag_verify_tokens
-from dspine.sglang.rules import SWITCH_FILE_ENV, FlagError, check_switch_target, resolve_step_switch
+from dspine.sglang.rules import (
+    SWITCH_FILE_ENV,
+    FlagError,
+    check_switch_target,
+    resolve_plain_tokens,
+    resolve_step_switch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -168,12 +175,15 @@ class DSpineWorkerV2(DFlashWorkerV2):
     _step_policy = "static"
     _switch: Optional[ServingSwitch] = None
     _plain_step: Optional[PlainStep] = None
+    _plain_tokens: Optional[int] = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._step_policy, switch_file = resolve_step_switch(os.environ)
+        self._plain_tokens = resolve_plain_tokens(os.environ)
         if switch_file is not None:
             self._switch = ServingSwitch(SwitchConfig.load(switch_file), int(self.block_size))
+            self._plain_tokens = self._switch.config.plain_tokens
         self._pending_confidence = collections.deque()   # (rids, host logits [bs, N-1], event) per drafted step
         self._attach_target_to_draft()
 
@@ -217,9 +227,11 @@ class DSpineWorkerV2(DFlashWorkerV2):
         super().init_cuda_graphs()
         if self._step_policy in ("dynamic", "plain"):
             check_switch_target(self._step_policy, self._need_mamba_verify_commit)
-            self._plain_step = PlainStep(self)
-            logger.info("DSPINE speculation switch: %s.", "per-step decisions from " + os.environ[SWITCH_FILE_ENV]
-                        if self._switch is not None else "every decode step plain (DSPINE_SWITCH=plain)")
+            self._plain_step = PlainStep(self, self._plain_tokens)
+            logger.info("DSPINE speculation switch: %s; %d target tokens per plain step.",
+                        "per-step decisions from " + os.environ[SWITCH_FILE_ENV]
+                        if self._switch is not None else "every decode step plain (DSPINE_SWITCH=plain)",
+                        self._plain_tokens)
 
     def _drafts_this_step(self, batch) -> bool:
         """The switch's decision for this decode step (True: draft; static servers always draft)."""

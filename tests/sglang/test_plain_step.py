@@ -1,6 +1,6 @@
 """The DSPINE worker's plain step and its speculation switch, against stand-ins for SGLang's runner
-(CPU): what one plain step feeds the target and the drafter's KV append, what it returns in the
-DFlash format, that the width-1 backend is swapped in for the step only, and that the worker routes a
+(CPU): what a plain step of one or K tokens feeds the target and the drafter's KV append, what it
+returns in the DFlash format, that the width-1 backend is swapped in for the step only, and that the worker routes a
 decode step to it when the switch says so.
 
 Runs inside `.venv-sglang`; skips where SGLang is absent. The step on a real server (graphs, an H200)
@@ -121,6 +121,63 @@ def test_one_plain_step_is_an_ar_decode_of_the_bonus_tokens():
     assert result.next_draft_input[1]["bonus_tokens"].tolist() == sampled.tolist()
     assert result.logits_output.hidden_states is None
     assert result.logits_output.customized_info == {"dspine_verify_tokens": [1, 1, 1]}
+
+
+@pytest.mark.parametrize("host_lens", [True, False], ids=["seq_lens_cpu", "seq_lens_sum-only"])
+def test_a_k_token_plain_step_chains_k_ar_decodes_and_appends_every_position(host_lens):
+    """K = 3: each AR decode feeds the previous sample at the next slot and length (host lengths kept in
+    step, whether the batch carries them per request or only their sum); the hidden states of all K
+    positions reach the drafter's KV in one append (copied out of the graph's reused output buffer);
+    the result commits K tokens per request."""
+    world, calls = World(), []
+    graph_hidden = torch.zeros(3, HIDDEN)                    # one output buffer, rewritten by every replay
+
+    def forward_batch_generation(batch, capture_hidden_mode=None):
+        calls.append({name: (value.clone() if torch.is_tensor(value) else value) for name, value in (
+            (n, getattr(batch, n)) for n in ("forward_mode", "input_ids", "seq_lens", "seq_lens_cpu", "seq_lens_sum",
+                                             "out_cache_loc", "spec_info"))})
+        graph_hidden.copy_(batch.seq_lens[:, None].float() + torch.arange(HIDDEN) / 10)
+        sampled = (batch.input_ids * 3 + batch.seq_lens) % VOCAB
+        return SimpleNamespace(logits_output=SimpleNamespace(hidden_states=graph_hidden, customized_info=None),
+                               can_run_cuda_graph=True, next_token_ids=sampled.to(torch.int32))
+
+    world.worker.target_worker.forward_batch_generation = forward_batch_generation
+    batch, published = world.batch(), []
+    if not host_lens:
+        batch.seq_lens_cpu = None
+    result = plain_step.PlainStep(world.worker, tokens=3).run(batch, on_publish=published.append)
+
+    prefix, rows = torch.tensor([5, 17, 9]), torch.tensor([2, 0, 6])
+    expected_tokens, token = [], torch.tensor([7, 8, 9])
+    for i, call in enumerate(calls):
+        assert call["forward_mode"] == dflash.ForwardMode.DECODE and call["spec_info"] is None
+        assert call["input_ids"].tolist() == token.tolist()
+        assert call["seq_lens"].tolist() == (prefix + i + 1).tolist()
+        host = call["seq_lens_cpu"]
+        assert (host.tolist() == call["seq_lens"].tolist()) if host_lens else host is None
+        assert call["seq_lens_sum"] == 31 + 3 * (i + 1)
+        assert call["out_cache_loc"].tolist() == world.req_to_token[rows, prefix + i].tolist()
+        token = (token * 3 + prefix + i + 1) % VOCAB
+        expected_tokens.append(token)
+    assert len(calls) == 3
+    tokens = torch.stack(expected_tokens, dim=1)                                    # [bs, K]
+    grid = result.next_token_ids.view(3, BLOCK)
+    assert torch.equal(grid[:, :3], tokens) and grid[:, 3:].eq(0).all()
+    assert result.accept_lens.tolist() == [3, 3, 3]
+    assert result.new_seq_lens.tolist() == [8, 20, 12] and published[0].tolist() == [8, 20, 12]
+    assert result.next_draft_input[1]["bonus_tokens"].tolist() == tokens[:, -1].tolist()
+    append = world.seen["append"]
+    positions = prefix[:, None] + torch.arange(3)
+    assert append["positions"].tolist() == positions.reshape(-1).tolist()
+    assert append["cache_loc"].tolist() == world.req_to_token[rows[:, None], positions].reshape(-1).tolist()
+    expected_hidden = (positions + 1).reshape(-1, 1).float() + torch.arange(HIDDEN) / 10
+    assert torch.equal(append["target_hidden"], expected_hidden)
+    assert batch.seq_lens.tolist() == [5, 17, 9] and batch.seq_lens_sum == 31 and batch.input_ids is None
+
+
+def test_plain_step_length_is_bounded_by_the_block():
+    with pytest.raises(ValueError, match="must lie in"):
+        plain_step.PlainStep(World().worker, tokens=BLOCK + 1)
 
 
 def test_the_batch_is_restored_when_the_forward_fails():
