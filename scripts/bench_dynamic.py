@@ -20,6 +20,12 @@ AR); mean_verify_tokens = verify tokens per request per decode step: N for a dra
 plain one (`meta_info.dspine_verify_tokens`, one entry per decode step under the switch). At concurrency 1 the
 token ids of every request are compared with AR's (`parity_c1`).
 
+Each level runs `--repeats` times on the same server and reports its median repeat, with every
+repeat's throughput (`levels[*].repeats_tok_per_s`): on the GPU host, levels of a few seconds vary
+by 10-40 % from run to run (three AR runs within 10 minutes, 2026-12-01). `--url NAME=URL` uses a
+server already running for config NAME (e.g. the plain-step server the switch's table was measured
+on) and starts the others.
+
 Writes `--out-dir/dynamic_h200.json` after every level (schema `RESULTS_SCHEMA`) and
 `dynamic_h200.png` (throughput ÷ AR against concurrency).
 """
@@ -111,6 +117,33 @@ def level_stats(replies: list[dict], wall: float, block: int) -> dict:
             "tagged_steps": len(widths), "plain_steps": plain}
 
 
+class ConfigLaunchers:
+    """`--url NAME=URL` servers for the configs it names (a bare `--url URL` serves all), serve.sh
+    starts for the others: one run can mix a server tuned beforehand with servers it starts."""
+
+    def __init__(self, args) -> None:
+        self.urls = bs_mod._launcher(args) if args.url else None
+        self.serve = bs_mod.ServeShLauncher(args.serve_script, args.port, args.out_dir)
+
+    def _for(self, name: str):
+        if self.urls is not None and (name in self.urls.urls or "*" in self.urls.urls):
+            return self.urls
+        return self.serve
+
+    def start(self, name: str, flags: list[str]) -> str:
+        return self._for(name).start(name, flags)
+
+    def stop(self, name: str) -> None:
+        self._for(name).stop(name)
+
+
+def median_level(levels: list[dict]) -> dict:
+    """The repeat with the median throughput (the lower middle one for an even count), plus every
+    repeat's throughput in `repeats_tok_per_s` (the run-to-run spread of one server)."""
+    ranked = sorted(levels, key=lambda level: level["output_tok_per_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "repeats_tok_per_s": [level["output_tok_per_s"] for level in levels]}
+
+
 def run_level(base: str, bodies: list[dict], c: int, args) -> tuple[dict, list[dict]]:
     count = max(args.min_requests, args.waves * c)
     t0 = time.perf_counter()
@@ -171,9 +204,11 @@ def parity_c1(passes: dict[str, list[dict]]) -> dict:
     return out
 
 
-def speedups(runs: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """Per config: (concurrency, output tok/s ÷ AR's at that concurrency), sorted."""
-    ar = {r["concurrency"]: r["output_tok_per_s"] for r in runs if r["algorithm"] == "AR"}
+def speedups(runs: list[dict], ar: dict[int, float] | None = None) -> dict[str, list[tuple[int, float]]]:
+    """Per config: (concurrency, output tok/s ÷ AR's at that concurrency), sorted; AR from `runs`
+    unless given (e.g. the mean of several AR runs)."""
+    if ar is None:
+        ar = {r["concurrency"]: r["output_tok_per_s"] for r in runs if r["algorithm"] == "AR"}
     out: dict[str, list[tuple[int, float]]] = {}
     for r in runs:
         if r["algorithm"] != "AR" and r["concurrency"] in ar:
@@ -182,27 +217,39 @@ def speedups(runs: list[dict]) -> dict[str, list[tuple[int, float]]]:
 
 
 def plot(results: dict, out_dir: Path) -> Path | None:
-    """Throughput ÷ AR against concurrency; a `second_host` block (another run of the same benchmark,
-    e.g. other code) is drawn dashed."""
+    """Throughput ÷ AR against concurrency. With `ar_runs` (several AR runs of the host: {"runs": {name:
+    {c: tok/s}}, "mean": {c: tok/s}}) the ratios are taken against their mean and AR's own spread is
+    drawn as a grey band; `previous_runs` (earlier code, other hosts) are drawn thin and dashed; an
+    optional `label` names the main run in the legend."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
     colours = dict(zip(CONFIGS[1:], ("tab:blue", "tab:orange", "tab:green")))
-    blocks = [(results["runs"], "-", "")]
-    if results.get("second_host"):
-        blocks.append((results["second_host"]["runs"], "--", " (second host)"))
-    for runs, style, suffix in blocks:
-        for name, points in speedups(runs).items():
-            ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", color=colours.get(name),
-                    label=name + suffix)
+    ar_runs = results.get("ar_runs")
+    mean = {int(c): v for c, v in ar_runs["mean"].items()} if ar_runs else None
+    if mean:
+        cs = sorted(mean)
+        runs = ar_runs["runs"].values()
+        ax.fill_between(cs, [min(r[str(c)] for r in runs) / mean[c] for c in cs],
+                        [max(r[str(c)] for r in runs) / mean[c] for c in cs], color="grey", alpha=0.2,
+                        label=f"AR, {len(ar_runs['runs'])} runs (spread)")
+    suffix = f" ({results['label']})" if results.get("label") else ""
+    for name, points in speedups(results["runs"], mean).items():
+        ax.plot([p[0] for p in points], [p[1] for p in points], "-", marker="o", color=colours.get(name),
+                label=name + suffix)
+    for previous in results.get("previous_runs", []):
+        tag = previous["label"].split(",")[0]
+        for name, points in speedups(previous["runs"]).items():
+            ax.plot([p[0] for p in points], [p[1] for p in points], "--", lw=0.8, alpha=0.6, marker=".",
+                    color=colours.get(name), label=f"{name} ({tag})")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set(xscale="log", xlabel="concurrency", ylabel="output tok/s ÷ AR",
            title=f"{Path(str(results.get('target', ''))).name or 'target'}: speculation vs AR ({results['device']})")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path = out_dir / f"{RESULTS_NAME}.png"
     fig.savefig(path, dpi=120)
@@ -221,6 +268,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64, 128])
     p.add_argument("--min-requests", type=int, default=32)
     p.add_argument("--waves", type=int, default=2, help="each level sends at least waves x concurrency requests")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="run each level this many times on the same server; report the median repeat (levels "
+                        "of a few seconds vary by 10-40 %% from run to run on the GPU host)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--model-path", default=os.environ.get("SMOLLM2", "HuggingFaceTB/SmolLM2-135M-Instruct"))
     p.add_argument("--draft", default="checkpoints/dspine-smollm2-135m-instruct")
@@ -228,7 +278,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--extra-flags", default="--cuda-graph-max-bs-decode 128 --max-running-requests 128",
                    help="sglang flags for every config (serve.sh adds its base flags)")
     p.add_argument("--served-model", default="default")
-    p.add_argument("--url", action="append", default=[], help="NAME=URL of a running server (no server started)")
+    p.add_argument("--url", action="append", default=[],
+                   help="NAME=URL of a running server for config NAME (the others are started with --serve-script)")
     p.add_argument("--serve-script", type=Path, default=Path(".gpu/host/serve.sh"))
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--request-timeout", type=float, default=300.0)
@@ -241,6 +292,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:
         p.error(f"unknown config(s) {sorted(unknown)}; choose from {CONFIGS}")
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: at least 1")
     return args
 
 
@@ -251,7 +304,7 @@ def main(argv=None) -> int:
         return 0
     bodies = load_requests(args.requests, args.max_tokens)
     configs = server_configs(args)
-    launcher = bs_mod._launcher(args)
+    launcher = ConfigLaunchers(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     results = {"device": args.device, "date": datetime.date.today().isoformat(), "sglang": "unknown",
                "command": shlex.join([sys.argv[0], *sys.argv[1:]]), "target": args.model_path, "drafter": args.draft,
@@ -268,18 +321,20 @@ def main(argv=None) -> int:
             results["sglang"] = info.get("version") or results["sglang"]
             send(base, bodies[0], args.served_model, args.request_timeout, token_ids=False)   # warm-up
             for c in args.concurrency:
-                level, replies = run_level(base, bodies, c, args)
+                repeats = [run_level(base, bodies, c, args) for _ in range(args.repeats)]
+                level = median_level([rep[0] for rep in repeats])
                 if c == 1:
-                    passes[name] = replies
+                    passes[name] = repeats[0][1]
                 results["levels"].append({"algorithm": name, **level})
                 results["runs"].append({"algorithm": name, "concurrency": c,
                                         **{k: level[k] for k in ("output_tok_per_s", "mean_verify_tokens",
                                                                  "accept_len")}})
                 results["parity_c1"] = parity_c1(passes)
                 bs_mod.write_results(results, args.out_dir, RESULTS_NAME)
-                print(f"[{name}] c={c}: {level['output_tok_per_s']:.0f} tok/s, {level['accept_len']:.2f} tokens/step, "
-                      f"{level['mean_verify_tokens']:.2f} verify tokens/request-step, {level['wall_s']:.1f} s",
-                      flush=True)
+                spread = "/".join(f"{x:.0f}" for x in level["repeats_tok_per_s"])
+                print(f"[{name}] c={c}: {level['output_tok_per_s']:.0f} tok/s (repeats {spread}), "
+                      f"{level['accept_len']:.2f} tokens/step, {level['mean_verify_tokens']:.2f} verify "
+                      f"tokens/request-step, {level['wall_s']:.1f} s", flush=True)
         except (bs_mod.BenchError, OSError) as err:
             results["errors"].append(f"{name}: {err}")
             print(f"[{name}] FAILED: {err}", flush=True)

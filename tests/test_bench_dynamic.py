@@ -1,6 +1,7 @@
 """scripts/bench_dynamic.py end to end against three stub servers (AR, DSPINE-static, DSPINE-dynamic)
 on 127.0.0.1: the levels, the per-level accept length and verify tokens from meta_info, concurrency-1
-parity against AR, the results schema and the refusal of a dynamic run without a switch file."""
+parity against AR, repeated levels, the results schema and the refusal of a dynamic run without a
+switch file."""
 
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ def test_levels_verify_tokens_parity_and_schema(servers, tmp_path, capsys):
     assert runs["DSPINE-dynamic", 4]["accept_len"] == pytest.approx(1.5)
     assert runs["DSPINE-dynamic", 4]["mean_verify_tokens"] == pytest.approx((3 * BLOCK + 1) / 4)
     level = next(lv for lv in results["levels"] if lv["algorithm"] == "DSPINE-dynamic" and lv["concurrency"] == 4)
+    assert len(level["repeats_tok_per_s"]) == 3 and level["output_tok_per_s"] == sorted(level["repeats_tok_per_s"])[1]
     assert level["requests"] == 8 and level["plain_steps"] == 8 and level["completion_tokens"] == 8 * TOKENS
     # six requests cycle the three trace lines: two of them ("diverge") depart from AR at token 2
     assert results["parity_c1"]["DSPINE-static"] == {"requests": 6, "identical": 6, "first_difference": []}
@@ -79,6 +81,38 @@ def test_levels_verify_tokens_parity_and_schema(servers, tmp_path, capsys):
     bench.bs_mod.check_schema(results, bench.RESULTS_SCHEMA)
     assert (tmp_path / "dynamic_h200.png").exists()
     assert "DSPINE-dynamic" in capsys.readouterr().out
+
+
+def test_median_repeat_and_mixed_launchers(tmp_path):
+    """The median repeat is reported (lower middle for an even count) with every repeat's throughput;
+    `--url NAME=URL` serves the configs it names and serve.sh starts the others."""
+    bench = load_script("bench_dynamic")
+    levels = [{"output_tok_per_s": x, "wall_s": x} for x in (30.0, 10.0, 20.0, 40.0)]
+    assert bench.median_level(levels) == {"output_tok_per_s": 20.0, "wall_s": 20.0,
+                                          "repeats_tok_per_s": [30.0, 10.0, 20.0, 40.0]}
+    assert bench.median_level(levels[:3])["output_tok_per_s"] == 20.0
+    requests = tmp_path / "r.jsonl"
+    requests.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    args = bench.parse_args(["--requests", str(requests), "--url", "DSPINE-plain=http://127.0.0.1:9/",
+                             "--out-dir", str(tmp_path)])
+    launchers = bench.ConfigLaunchers(args)
+    assert launchers.start("DSPINE-plain", []) == "http://127.0.0.1:9"
+    assert launchers._for("AR") is launchers.serve and launchers._for("DSPINE-plain") is launchers.urls
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--requests", str(requests), "--repeats", "0"])
+
+
+def test_ratios_against_the_mean_of_several_ar_runs(tmp_path):
+    """With `ar_runs` the ratios use their mean, not the AR entries of `runs`; the plot draws them."""
+    bench = load_script("bench_dynamic")
+    runs = [{"algorithm": "AR", "concurrency": 1, "output_tok_per_s": 100.0},
+            {"algorithm": "DSPINE-dynamic", "concurrency": 1, "output_tok_per_s": 120.0}]
+    assert bench.speedups(runs) == {"DSPINE-dynamic": [(1, 1.2)]}
+    assert bench.speedups(runs, {1: 150.0}) == {"DSPINE-dynamic": [(1, 0.8)]}
+    results = {"device": "d", "target": "t", "runs": runs, "label": "now",
+               "ar_runs": {"runs": {"a": {"1": 100.0}, "b": {"1": 200.0}}, "mean": {"1": 150.0}},
+               "previous_runs": [{"label": "host 1, old", "runs": runs}]}
+    assert bench.plot(results, tmp_path) == tmp_path / "dynamic_h200.png"
 
 
 def test_dynamic_needs_a_switch_file_and_requests_need_messages(tmp_path):
