@@ -12,7 +12,9 @@ detokenizer). It registers:
 - the algorithm `DSPINE` (`DSpineSpecAlgo`, overlap-capable, worker imported lazily by the factory);
 - the draft architecture `DSpineDraftModel` in SGLang's `ModelRegistry`, added the moment the
   registry module is imported (at once if it already is), so processes that never load a model
-  import neither the registry nor DSpine's model class.
+  import neither the registry nor DSpine's model class;
+- with `DSPINE_STEP_PROFILE=DIR` in the environment only: the decode-step profiler's wrappers on
+  SGLang's `Scheduler` (`dspine.sglang.step_profile`, a diagnostic; AR servers load it too).
 
 SGLang logs and swallows exceptions from plugins, after which the only symptom is a later
 `Unknown speculative algorithm name: DSPINE`. So a failure here is logged at ERROR with the
@@ -27,6 +29,7 @@ import logging
 import sys
 from typing import Callable
 
+from dspine.sglang import step_profile
 from dspine.sglang.rules import ALGORITHM
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ def register() -> None:
         _register_algorithm()
         _register_draft_architecture()
         _hide_misleading_window_warning()
+        step_profile.install_from_environment()
     except Exception as e:
         logger.error(
             "DSpine could not register with SGLang: %s: %s. SGLang ignores plugin errors, so the server "
