@@ -4,11 +4,17 @@ Replays trace requests (`dspine.traces`, the "tune" split by default) against a 
 OpenAI-compatible DSPINE server (`--url`), or one started here through `dspine serve`'s command
 builder (`--preset`, stopped afterwards), at a sweep of concurrencies (default 1, 4, 16, 64).
 
-Step time, per concurrency level, from one of two sources (each row says which in `source`):
+Step time, per concurrency level, from one of three sources (each row says which in `source`):
 
+* `dspine_step_clock` (preferred): a DSPINE server started with `SGLANG_RECORD_STEP_TIME=1` also
+  reports its worker's decode-step periods (`internal_states[*].dspine_step_time_dict`,
+  `dspine.sglang.step_clock`): launch-to-launch time of consecutive decode steps, prefills
+  excluded, per step kind ("plain" when `--verify-tokens 1`, else "draft") and batch size; one row
+  per (bs, level) with steps/s = steps / seconds.
 * `server_step_time`: the server was started with `SGLANG_RECORD_STEP_TIME=1`, so `/server_info`
   has `internal_states[*].step_time_dict {bs: [seconds per step, one average per log interval]}`.
-  The intervals added during the level give one row per (bs, interval): exact batch sizes.
+  The intervals added during the level give one row per (bs, interval): exact batch sizes, but
+  each interval's wall time includes the prefills that ran in it (AR servers have only this).
 * `client_timing`: otherwise. Per request, steps/s = completion tokens / latency, i.e. one step
   per emitted token (exact under `SGLANG_SIMULATE_ACC_LEN=1.0`; with real acceptance it
   overestimates steps/s), and the level's median is one row at batch size = concurrency / DP.
@@ -60,6 +66,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from dspine.sglang.step_clock import STATE_KEY as CLOCK_KEY
 from dspine.traces import TraceError, TraceRequest, file_sha256, load_traces, write_jsonl_atomic
 
 DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
@@ -113,6 +120,30 @@ def step_time_dict(info: dict) -> dict[int, list[float]] | None:
     return merged
 
 
+def clock_totals(info: dict, kind: str) -> dict[int, tuple[int, float]] | None:
+    """`internal_states[*].dspine_step_time_dict[kind]` as {bs: (steps, seconds)}, summed over ranks
+    (each rank times the same steps: the ratio is unchanged); None when no rank reports a clock."""
+    states = [s for s in info.get("internal_states") or [] if isinstance(s, dict) and CLOCK_KEY in s]
+    if not states:
+        return None
+    totals: dict[int, tuple[int, float]] = {}
+    for state in states:
+        for bs, (steps, seconds) in ((state[CLOCK_KEY] or {}).get(kind) or {}).items():
+            old = totals.get(int(bs), (0, 0.0))
+            totals[int(bs)] = (old[0] + int(steps), old[1] + float(seconds))
+    return totals
+
+
+def clock_delta(before: dict[int, tuple[int, float]], after: dict[int, tuple[int, float]]) -> dict[int, tuple[int, float]]:
+    """The decode steps (count, seconds) per batch size timed between two snapshots."""
+    out = {}
+    for bs, (steps, seconds) in after.items():
+        old_steps, old_seconds = before.get(bs, (0, 0.0))
+        if steps > old_steps:
+            out[bs] = (steps - old_steps, seconds - old_seconds)
+    return out
+
+
 def new_step_times(before: dict[int, list[float]], after: dict[int, list[float]]) -> dict[int, list[float]]:
     """The intervals recorded between two snapshots (a list that shrank was reset: all of it is new)."""
     out = {}
@@ -156,8 +187,13 @@ def replay(client: Client, requests: list[TraceRequest], concurrency: int, count
 
 
 def level_rows(concurrency: int, results: list[Result], steps: dict[int, list[float]] | None,
-               verify_tokens: int, dp_size: int) -> list[dict]:
-    """rounds.jsonl rows of one level: server step times if given, else client timing."""
+               verify_tokens: int, dp_size: int, clock: dict[int, tuple[int, float]] | None = None) -> list[dict]:
+    """rounds.jsonl rows of one level: the DSPINE step clock if it timed steps, else server step
+    times if given, else client timing."""
+    if clock:
+        return [{"batch_size_per_rank": bs, "batch_tokens": bs * verify_tokens, "steps_per_sec": n / seconds,
+                 "frac": 1.0, "concurrency": concurrency, "source": "dspine_step_clock", "steps": n}
+                for bs, (n, seconds) in sorted(clock.items()) if bs > 0 and seconds > 0]
     if steps is not None:
         return [{"batch_size_per_rank": bs, "batch_tokens": bs * verify_tokens, "steps_per_sec": 1.0 / t,
                  "frac": 1.0, "concurrency": concurrency, "source": "server_step_time"}
@@ -482,26 +518,31 @@ def tune(args, url: str, requests: list[TraceRequest], reference=None) -> int:
         print(f"tune-sps: levels {sorted(done & set(args.concurrencies))} already in {rounds_path}: skipped "
               "(--restart to redo)", file=sys.stderr)
     counts = {c: args.requests_per_level or max(16, 4 * c) for c in pending}
+    clock_kind = "plain" if verify_tokens == 1 else "draft"
     with tqdm(total=sum(counts.values()), desc="SPS sweep", unit="req", disable=args.quiet) as bar:
         for c in pending:
             bar.set_postfix(concurrency=c)
-            before = step_time_dict(client.get("/server_info"))
+            info_before = client.get("/server_info")
+            before, clock_before = step_time_dict(info_before), clock_totals(info_before, clock_kind)
             results, errors = replay(client, requests, c, counts[c], model=model, max_tokens=args.max_tokens,
                                      deadline=time.monotonic() + args.level_timeout, progress=bar)
-            after = step_time_dict(client.get("/server_info")) if before is not None else None
+            info_after = client.get("/server_info") if before is not None or clock_before is not None else {}
+            after = step_time_dict(info_after) if before is not None else None
+            clock = clock_delta(clock_before, clock_totals(info_after, clock_kind) or {}) \
+                if clock_before is not None else None
             if not results:
                 raise TuningError(f"concurrency {c}: no request succeeded ({len(errors)} failed); first error: "
                                   f"{errors[0] if errors else 'none started before --level-timeout'}")
             if errors:
                 notes.append(f"concurrency {c}: {len(errors)} request(s) failed, e.g. {errors[0]}")
             steps = new_step_times(before, after) if before is not None else None
-            rows = level_rows(c, results, steps, verify_tokens, dp_size)
+            rows = level_rows(c, results, steps, verify_tokens, dp_size, clock)
             if not rows:
                 raise TuningError(f"concurrency {c}: the server recorded no step times; is SGLANG_RECORD_STEP_TIME=1 "
                                   "set and the log interval shorter than the level?")
             rounds.extend(rows)
             write_jsonl_atomic(rounds_path, rounds)
-    if not any(r["source"] == "server_step_time" for r in rounds):
+    if not any(r["source"] in ("server_step_time", "dspine_step_clock") for r in rounds):
         notes.append("step times are client-side (no step_time_dict in /server_info): steps/s = completion tokens "
                      "/ latency, exact only with SGLANG_SIMULATE_ACC_LEN=1.0; start the server with "
                      "SGLANG_RECORD_STEP_TIME=1 for server-side step times")

@@ -35,9 +35,10 @@ class Stub:
     """/v1/chat/completions sleeps TOKENS steps at the batch size in flight when it arrives and
     records that step time in step_time_dict (when `record`); /generate returns DSPINE meta_info."""
 
-    def __init__(self, record: bool):
+    def __init__(self, record: bool, clock_kind: str | None = None):
         self.record, self.lock, self.inflight = record, threading.Lock(), 0
         self.step_times: dict[str, list[float]] = {}
+        self.clock_kind, self.clock = clock_kind, {}       # a DSPINE worker's step clock: {bs: [steps, seconds]}
         self.chat_calls = self.generate_calls = 0
         stub = self
 
@@ -48,6 +49,9 @@ class Stub:
                     return
                 with stub.lock:
                     state = {"step_time_dict": {k: list(v) for k, v in stub.step_times.items()}} if stub.record else {}
+                    if stub.clock_kind:
+                        state["dspine_step_time_dict"] = {"draft": {}, "plain": {},
+                                                          stub.clock_kind: {k: list(v) for k, v in stub.clock.items()}}
                 self.send_json({"version": "0.5.22-stub", "model_path": "stub/target", "speculative_algorithm": "DSPINE",
                             "speculative_draft_model_path": "stub/drafter", "speculative_num_draft_tokens": VERIFY,
                             "dp_size": 1, "tp_size": 1, "cuda_graph_max_bs": 8, "gpu_name": "Stub GPU",
@@ -60,8 +64,12 @@ class Stub:
                         stub.chat_calls += 1
                         stub.inflight += 1
                         bs = stub.inflight
-                        if stub.record:
-                            stub.step_times.setdefault(str(bs), []).append(step_seconds(bs))
+                        if stub.record:    # with a clock, SGLang's interval also holds prefills: 3x here
+                            stub.step_times.setdefault(str(bs), []).append(step_seconds(bs) * (3 if stub.clock_kind else 1))
+                        if stub.clock_kind:
+                            total = stub.clock.setdefault(str(bs), [0, 0.0])
+                            total[0] += TOKENS
+                            total[1] += TOKENS * step_seconds(bs)
                     tokens = min(body.get("max_tokens", TOKENS), TOKENS)
                     time.sleep(tokens * step_seconds(bs))
                     with stub.lock:
@@ -168,6 +176,35 @@ def test_check_calibration_on_another_split(stub, tmp_path, capsys):
     assert "5 temperatures" in capsys.readouterr().err
     assert tune(stub, tmp_path / "m", "--concurrencies", "1", "--check-calibration", str(tmp_path / "none.json")) == 2
     assert stub.chat_calls == calls and "--check-calibration" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verify, kind", [("1", "plain"), ("16", "draft")])
+def test_the_dspine_step_clock_is_preferred_over_sglangs_log_intervals(tmp_path, verify, kind):
+    """A DSPINE server reports its worker's decode-step periods per kind (prefills excluded): the
+    table comes from the kind the run measures (plain with --verify-tokens 1), not from SGLang's
+    step_time_dict, which here counts three times the step time (the prefills in its intervals)."""
+    stub = Stub(record=True, clock_kind=kind)
+    try:
+        assert tune(stub, tmp_path / "sps", "--concurrencies", "1,4", "--acceptance-requests", "0",
+                    "--verify-tokens", verify) == 0
+    finally:
+        stub.close()
+    rounds = [json.loads(line) for line in (tmp_path / "sps" / "rounds.jsonl").read_text().splitlines()]
+    assert rounds and all(r["source"] == "dspine_step_clock" and r["steps"] % TOKENS == 0 for r in rounds)
+    for r in rounds:
+        assert r["steps_per_sec"] == pytest.approx(1 / step_seconds(r["batch_size_per_rank"]))
+        assert r["batch_tokens"] == r["batch_size_per_rank"] * int(verify)
+
+
+def test_clock_totals_and_deltas():
+    from dspine.sps_tuning import clock_delta, clock_totals
+
+    info = {"internal_states": [{"dspine_step_time_dict": {"plain": {"2": [10, 0.5]}, "draft": {}}},
+                                {"dspine_step_time_dict": {"plain": {"2": [10, 0.5], "4": [1, 0.1]}}}]}
+    assert clock_totals(info, "plain") == {2: (20, 1.0), 4: (1, 0.1)}
+    assert clock_totals(info, "draft") == {}
+    assert clock_totals({"internal_states": [{}]}, "plain") is None
+    assert clock_delta({2: (20, 1.0)}, {2: (26, 1.3), 4: (1, 0.1)}) == {2: (6, pytest.approx(0.3)), 4: (1, 0.1)}
 
 
 @pytest.mark.parametrize("stub", [False], indirect=True)

@@ -14,7 +14,9 @@ detokenizer). It registers:
   registry module is imported (at once if it already is), so processes that never load a model
   import neither the registry nor DSpine's model class;
 - with `DSPINE_STEP_PROFILE=DIR` in the environment only: the decode-step profiler's wrappers on
-  SGLang's `Scheduler` (`dspine.sglang.step_profile`, a diagnostic; AR servers load it too).
+  SGLang's `Scheduler` (`dspine.sglang.step_profile`, a diagnostic; AR servers load it too);
+- with `SGLANG_RECORD_STEP_TIME=1` only: the DSPINE worker's decode-step clock in `/server_info`
+  (`dspine.sglang.step_clock`).
 
 SGLang logs and swallows exceptions from plugins, after which the only symptom is a later
 `Unknown speculative algorithm name: DSPINE`. So a failure here is logged at ERROR with the
@@ -29,7 +31,7 @@ import logging
 import sys
 from typing import Callable
 
-from dspine.sglang import step_profile
+from dspine.sglang import step_clock, step_profile
 from dspine.sglang.rules import ALGORITHM
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ def register() -> None:
         _register_draft_architecture()
         _hide_misleading_window_warning()
         step_profile.install_from_environment()
+        step_clock.install_from_environment()
     except Exception as e:
         logger.error(
             "DSpine could not register with SGLang: %s: %s. SGLang ignores plugin errors, so the server "

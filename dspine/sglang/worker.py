@@ -38,6 +38,9 @@ injection); this worker only overrides the smallest seams around it:
   request's expected acceptance. `DSPINE_SWITCH=plain|draft` forces one kind of step (plain,
   `DSPINE_PLAIN_TOKENS` tokens per step: to measure the plain-step table). Not with
   grammar-constrained batches (they draft) nor hybrid ReplaySSM targets (refused at start).
+- Step clock (`dspine.sglang.step_clock`; with `SGLANG_RECORD_STEP_TIME=1`): the host time of each
+  call, so the period of consecutive decode steps is booked per kind (draft, plain) and batch size,
+  prefills excluded; `/server_info` carries the totals for `dspine tune-sps`.
 - GDN track slots (0.5.17, ReplaySSM targets): before a verify step, rebuild the batch's track
   indices from its requests (`spec_utils.prepare_mamba_track_for_verify`), which 0.5.17's DFlash
   verify omits (0.5.20+ does it itself); otherwise the commit below writes into the radix cache's slot.
@@ -51,6 +54,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import time
 from typing import Optional
 
 import torch
@@ -59,7 +63,7 @@ from torch import Tensor
 
 from dspine.checkpoint import check_target_compatible
 from dspine.serving_switch import ServingSwitch, SwitchConfig
-from dspine.sglang import compat
+from dspine.sglang import compat, step_clock
 from dspine.sglang.draft_model import DSpineDraftModel
 from dspine.sglang.plain_step import PlainStep, tag_verify_tokens
 from dspine.sglang.rules import (
@@ -176,6 +180,7 @@ class DSpineWorkerV2(DFlashWorkerV2):
     _switch: Optional[ServingSwitch] = None
     _plain_step: Optional[PlainStep] = None
     _plain_tokens: Optional[int] = None
+    _record_steps = False
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -185,6 +190,7 @@ class DSpineWorkerV2(DFlashWorkerV2):
             self._switch = ServingSwitch(SwitchConfig.load(switch_file), int(self.block_size))
             self._plain_tokens = self._switch.config.plain_tokens
         self._pending_confidence = collections.deque()   # (rids, host logits [bs, N-1], event) per drafted step
+        self._record_steps = step_clock.recording(os.environ)
         self._attach_target_to_draft()
 
     def _attach_target_to_draft(self) -> None:
@@ -278,13 +284,18 @@ class DSpineWorkerV2(DFlashWorkerV2):
         return self.draft_model.candidate_selector is not None and not compat.has_selector_seam()
 
     def forward_batch_generation(self, batch, *args, **kwargs):
+        started = time.perf_counter()
         self.draft_model.ensure_transfer_table(serving=True)
         verify_step = _is_verify_step(batch)
         if verify_step and not self._drafts_this_step(batch):
+            if self._record_steps:
+                step_clock.CLOCK.tick("plain", len(batch.reqs), started)
             if getattr(batch, "return_logprob", False):
                 raise ValueError("DSPINE speculative decoding does not support return_logprob yet.")
             self._validate_phase1_sampling_support(batch)
             return self._plain_step.run(batch, kwargs.get("on_publish", args[0] if args else None))
+        if self._record_steps:
+            step_clock.CLOCK.tick("draft" if verify_step else None, len(batch.reqs) if verify_step else 0, started)
         if verify_step and self._needs_track_refresh():
             compat.prepare_mamba_track_for_verify(batch)
         result = super().forward_batch_generation(batch, *args, **kwargs)

@@ -223,7 +223,7 @@ def losing_switch() -> ServingSwitch:
     return ServingSwitch(config, BLOCK)
 
 
-def test_worker_routes_decode_steps_by_the_switch():
+def test_worker_routes_decode_steps_by_the_switch(monkeypatch):
     """A decode step goes to the plain step while the switch says so, with the running requests' ids;
     a step with a grammar drafts; a landed confidence copy reaches the switch before it decides."""
     worker = DSpineWorkerV2.__new__(DSpineWorkerV2)
@@ -243,6 +243,15 @@ def test_worker_routes_decode_steps_by_the_switch():
     assert worker.forward_batch_generation(batch, on_publish="publish") == "plain-result"
     assert calls == ["publish"] and worker._switch.plain == 1
     assert worker._drafts_this_step(SimpleNamespace(**{**vars(batch), "has_grammar": True})) is True
+    # SGLANG_RECORD_STEP_TIME: consecutive plain steps are timed as plain periods at their batch size
+    from dspine.sglang import step_clock
+
+    clock = step_clock.DecodeStepClock()
+    monkeypatch.setattr(step_clock, "CLOCK", clock)
+    worker._record_steps = True
+    worker.forward_batch_generation(batch, on_publish="publish")
+    worker.forward_batch_generation(batch, on_publish="publish")
+    assert clock.snapshot()["plain"][1][0] == 1 and clock.snapshot()["draft"] == {}
     penalised = SimpleNamespace(penalizer_orchestrator=SimpleNamespace(is_required=True))
     assert worker._drafts_this_step(SimpleNamespace(**{**vars(batch), "sampling_info": penalised})) is True
 
