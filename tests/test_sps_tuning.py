@@ -204,7 +204,8 @@ def test_clock_totals_and_deltas():
     assert clock_totals(info, "plain") == {2: (20, 1.0), 4: (1, 0.1)}
     assert clock_totals(info, "draft") == {}
     assert clock_totals({"internal_states": [{}]}, "plain") is None
-    assert clock_delta({2: (20, 1.0)}, {2: (26, 1.3), 4: (1, 0.1)}) == {2: (6, pytest.approx(0.3)), 4: (1, 0.1)}
+    assert clock_delta({2: (20, 1.0), 3: (5, 0.2)}, {2: (26, 1.3), 3: (5, 0.2), 4: (1, 0.1)}) == \
+        {2: (6, pytest.approx(0.3)), 4: (1, 0.1)}                     # batch size 3 ran no step in between
 
 
 @pytest.mark.parametrize("stub", [False], indirect=True)
