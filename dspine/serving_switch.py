@@ -14,8 +14,8 @@ and without a device sync, this switch picks the one with more expected tokens p
   round table at n·N verify tokens; a plain step emits n·K tokens in T_plain(n) (plain table at n).
 
 A drafting step's loss is loss = T_round(n) - (n + sum_b E[b]) · T_plain(n) / (n·K). While it
-loses, the switch decodes plainly for k = ceil(loss / (probe_share · T_plain(n))) steps (at most `max_backoff`,
-`backoff_rounds`) and then drafts once (a probe) to refresh the confidences; while it wins, it
+loses, the switch decodes plainly for k = ceil(loss / (probe_share · T_plain(n))) steps (at most
+`max_backoff`, `backoff_rounds`) and then drafts once (a probe) to refresh the confidences; while it wins, it
 drafts. The reference engine's `DynamicVerifier` applies the same rule (K = 1: its plain round is one
 token) after each planned round.
 Both executors are exact, so outputs do not depend on the switch.
@@ -119,9 +119,9 @@ class SwitchConfig:
             raise SwitchConfigError(f"{path}: probe_share={probe_share!r} must lie in (0, 1]")
         if not isinstance(max_backoff, int) or isinstance(max_backoff, bool) or max_backoff < 1:
             raise SwitchConfigError(f"{path}: max_backoff={max_backoff!r} must be an integer >= 1")
+        files = {k: data[k] for k in ("round_table", "plain_table", "calibration") if k in data}
         return cls(table("round_table"), table("plain_table"), calibration, tuple(float(p) for p in prior),
-                   float(probe_share), max_backoff, plain_tokens, files={k: data[k] for k in ("round_table", "plain_table",
-                                                                              "calibration") if k in data})
+                   float(probe_share), max_backoff, plain_tokens, files=files)
 
 
 def write_switch_file(path: str | Path, *, round_table: str, plain_table: str, calibration: str | None,
@@ -155,8 +155,8 @@ class ServingSwitch:
             raise SwitchConfigError(f"the switch's prior_survival has {len(config.prior_survival)} positions but the "
                                     f"drafter proposes {block_size - 1} per block: tune on this drafter")
         if config.plain_tokens > block_size:
-            raise SwitchConfigError(f"the switch's plain_tokens={config.plain_tokens} exceeds the block size {block_size} "
-                                    "(SGLang reserves one block of KV slots per request and step): measure the plain "
+            raise SwitchConfigError(f"the switch's plain_tokens={config.plain_tokens} exceeds the block size "
+                                    f"{block_size} (SGLang reserves one block of KV slots per request and step): measure the plain "
                                     f"table with DSPINE_PLAIN_TOKENS <= {block_size}")
         self.config, self.block_size = config, int(block_size)
         self.prior_expected = float(sum(config.prior_survival))

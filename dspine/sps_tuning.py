@@ -134,7 +134,8 @@ def clock_totals(info: dict, kind: str) -> dict[int, tuple[int, float]] | None:
     return totals
 
 
-def clock_delta(before: dict[int, tuple[int, float]], after: dict[int, tuple[int, float]]) -> dict[int, tuple[int, float]]:
+def clock_delta(before: dict[int, tuple[int, float]],
+                after: dict[int, tuple[int, float]]) -> dict[int, tuple[int, float]]:
     """The decode steps (count, seconds) per batch size timed between two snapshots."""
     out = {}
     for bs, (steps, seconds) in after.items():

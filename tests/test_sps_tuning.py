@@ -65,7 +65,8 @@ class Stub:
                         stub.inflight += 1
                         bs = stub.inflight
                         if stub.record:    # with a clock, SGLang's interval also holds prefills: 3x here
-                            stub.step_times.setdefault(str(bs), []).append(step_seconds(bs) * (3 if stub.clock_kind else 1))
+                            inflation = 3 if stub.clock_kind else 1
+                            stub.step_times.setdefault(str(bs), []).append(step_seconds(bs) * inflation)
                         if stub.clock_kind:
                             total = stub.clock.setdefault(str(bs), [0, 0.0])
                             total[0] += TOKENS

@@ -38,6 +38,7 @@ def test_totals_reach_the_internal_state():
 
 
 def test_recording_follows_sglangs_flag():
-    assert step_clock.recording({"SGLANG_RECORD_STEP_TIME": "1"}) and step_clock.recording({"SGLANG_RECORD_STEP_TIME": "true"})
+    assert step_clock.recording({"SGLANG_RECORD_STEP_TIME": "1"})
+    assert step_clock.recording({"SGLANG_RECORD_STEP_TIME": "true"})
     assert not step_clock.recording({}) and not step_clock.recording({"SGLANG_RECORD_STEP_TIME": "0"})
     assert step_clock.install_from_environment({}) is False

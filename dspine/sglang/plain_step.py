@@ -29,8 +29,8 @@ Why K > 1: inside the speculative worker a one-token plain step costs far more t
 2026-12-01 H200 profile, SmolLM2 at one request: 2.31 ms against 1.25 ms, the difference host work:
 the drafter's KV append, DFlash's KV reservation, speculative bookkeeping). A K-token plain step
 pays that per-step work once per K tokens, like a drafting step whose proposals are always
-accepted; each chained decode still costs about an AR step's time (K = 8 measured ~1.1 ms each). Tokens past a request's end (stop token, max_tokens) are dropped by SGLang's result
-processing, as past-the-end accepted drafts are: at most K-1 wasted target forwards per request.
+accepted; each chained decode still costs about an AR step's time (K = 8 measured ~1.1 ms each).
+Tokens past a request's end (stop token, max_tokens) are dropped by SGLang's result processing, as past-the-end accepted drafts are: at most K-1 wasted target forwards per request.
 
 The worker drafts for grammar-constrained batches, batches with penalties (their state follows the
 speculative path) and hybrid (ReplaySSM) targets.

@@ -150,8 +150,9 @@ def resolve_step_switch(environ) -> tuple[str, str | None]:
     ("dynamic", switch file) with DSPINE_DYNAMIC, ("plain"|"draft", None) with DSPINE_SWITCH."""
     path, forced = environ.get(SWITCH_FILE_ENV) or None, environ.get(FORCE_STEP_ENV) or None
     if forced is not None and forced not in FORCED_STEPS:
-        raise FlagError(f"{FORCE_STEP_ENV}={forced!r}: use 'plain' (every decode step plain, "
-                        f"{PLAIN_TOKENS_ENV} tokens per request, e.g. to measure the plain-step table) or 'draft' (every step drafts), or unset it")
+        raise FlagError(f"{FORCE_STEP_ENV}={forced!r}: use 'plain' (every decode step plain, {PLAIN_TOKENS_ENV} "
+                        "tokens per request, e.g. to measure the plain-step table) or 'draft' (every step drafts), "
+                        "or unset it")
     if path is not None and forced is not None:
         raise FlagError(f"{SWITCH_FILE_ENV} and {FORCE_STEP_ENV} are both set: the switch file decides per step, "
                         f"{FORCE_STEP_ENV} forces one kind of step. Fix: unset one of them")
