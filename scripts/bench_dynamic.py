@@ -220,7 +220,8 @@ def plot(results: dict, out_dir: Path) -> Path | None:
     """Throughput ÷ AR against concurrency. With `ar_runs` (several AR runs of the host: {"runs": {name:
     {c: tok/s}}, "mean": {c: tok/s}}) the ratios are taken against their mean and AR's own spread is
     drawn as a grey band; `previous_runs` (earlier code, other hosts) are drawn thin and dashed; an
-    optional `label` names the main run in the legend."""
+    optional `label` names the main run in the legend, and plain-step lines carry their K (the switch
+    file's `plain_tokens`, 1 when absent)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -237,15 +238,18 @@ def plot(results: dict, out_dir: Path) -> Path | None:
         ax.fill_between(cs, [min(r[str(c)] for r in runs) / mean[c] for c in cs],
                         [max(r[str(c)] for r in runs) / mean[c] for c in cs], color="grey", alpha=0.2,
                         label=f"AR, {len(ar_runs['runs'])} runs (spread)")
-    suffix = f" ({results['label']})" if results.get("label") else ""
+    def named(name: str, block: dict, tag: str) -> str:
+        tokens = (block.get("switch") or {}).get("plain_tokens", 1)
+        k = f", K={tokens}" if name in ("DSPINE-plain", "DSPINE-dynamic") else ""
+        return f"{name} ({tag}{k})" if tag or k else name
+
     for name, points in speedups(results["runs"], mean).items():
         ax.plot([p[0] for p in points], [p[1] for p in points], "-", marker="o", color=colours.get(name),
-                label=name + suffix)
+                label=named(name, results, results.get("label", "")))
     for previous in results.get("previous_runs", []):
-        tag = previous["label"].split(",")[0]
         for name, points in speedups(previous["runs"]).items():
             ax.plot([p[0] for p in points], [p[1] for p in points], "--", lw=0.8, alpha=0.6, marker=".",
-                    color=colours.get(name), label=f"{name} ({tag})")
+                    color=colours.get(name), label=named(name, previous, previous["label"].split(",")[0]))
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set(xscale="log", xlabel="concurrency", ylabel="output tok/s ÷ AR",
            title=f"{Path(str(results.get('target', ''))).name or 'target'}: speculation vs AR ({results['device']})")
