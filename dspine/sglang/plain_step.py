@@ -137,6 +137,7 @@ class PlainStep:
         hidden = None
 
         saved = {name: getattr(batch, name) for name in _DECODE_FIELDS}
+        base_sum = int(saved["seq_lens_cpu"].sum()) if saved["seq_lens_cpu"] is not None else saved["seq_lens_sum"]
         token = draft_input.bonus_tokens.view(-1).to(torch.int64)
         try:
             with self.active():
@@ -145,9 +146,8 @@ class PlainStep:
                     batch.input_ids, batch.seq_lens, batch.out_cache_loc = token, step_seq_lens[i], step_cache_loc[i]
                     if saved["seq_lens_cpu"] is not None:
                         batch.seq_lens_cpu = saved["seq_lens_cpu"] + (i + 1)
-                        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
-                    elif saved["seq_lens_sum"] is not None:
-                        batch.seq_lens_sum = saved["seq_lens_sum"] + bs * (i + 1)
+                    if base_sum is not None:
+                        batch.seq_lens_sum = base_sum + bs * (i + 1)
                     out = w.target_worker.forward_batch_generation(batch,
                                                                    capture_hidden_mode=dflash.CaptureHiddenMode.FULL)
                     token = out.next_token_ids.view(-1).to(torch.int64)

@@ -284,7 +284,7 @@ class DSpineWorkerV2(DFlashWorkerV2):
         return self.draft_model.candidate_selector is not None and not compat.has_selector_seam()
 
     def forward_batch_generation(self, batch, *args, **kwargs):
-        started = time.perf_counter()
+        started = time.perf_counter() if self._record_steps else 0.0
         self.draft_model.ensure_transfer_table(serving=True)
         verify_step = _is_verify_step(batch)
         if verify_step and not self._drafts_this_step(batch):
