@@ -480,6 +480,11 @@ class DynamicVerifier:
     that cannot win does not pay for a first probe. The switch only picks between two lossless
     steps, so outputs never change.
 
+    The engine then reports the drafting round's wall time (`drafted`), which includes what the
+    table cannot know: the drafter's catch-up over the plain steps before the round, and the table's
+    own error on this machine. The loss recomputed with that time (same expected tokens) sets the
+    backoff when it is the larger, so a round that lost more than predicted is probed less often.
+
     Attributes after a run: `plans` planned rounds, `plain_rounds` rounds decoded plainly.
     """
 
@@ -497,6 +502,7 @@ class DynamicVerifier:
         self.probe_share, self.max_backoff, self.prior_survival = probe_share, max_backoff, prior_survival
         self.skip, self.started = 0, False
         self.plans = self.plain_rounds = 0
+        self._last: tuple[VerifyPlan, int] | None = None   # the latest drafting round's plan and rows
 
     def __call__(self, prop: Proposal) -> Tensor:
         if prop.confidence is None:
@@ -507,15 +513,24 @@ class DynamicVerifier:
         plan = self.planner.plan(probs.cumprod(-1))
         self.plans += 1
         self.skip = self.plain_rounds_after(plan, prop.tokens.shape[0])
+        self._last = (plan, prop.tokens.shape[0])
         return plan.verify_lens.to(prop.tokens.device)
 
-    def plain_rounds_after(self, plan: VerifyPlan, rows: int) -> int:
-        """How many rounds to decode plainly after `plan` (0: keep drafting; see the class docstring)."""
+    def plain_rounds_after(self, plan: VerifyPlan, rows: int, seconds: float | None = None) -> int:
+        """How many rounds to decode plainly after `plan` (0: keep drafting; see the class docstring),
+        with the round taking `seconds` (default: the table's prediction, `plan.step_seconds`)."""
         if self.plain_table is None:
             return 0
         t_plain = float(self.plain_table.step_seconds(rows, torch.zeros(1, dtype=torch.long))[0])
-        loss = plan.step_seconds - plan.expected_tokens * t_plain / rows
+        loss = (plan.step_seconds if seconds is None else seconds) - plan.expected_tokens * t_plain / rows
         return backoff_rounds(loss, t_plain, self.probe_share, self.max_backoff)
+
+    def drafted(self, seconds: float) -> None:
+        """The wall time of the drafting round just planned: back off by its measured loss when that
+        is the larger (see the class docstring)."""
+        if self._last is not None:
+            self.skip = max(self.skip, self.plain_rounds_after(*self._last, seconds=seconds))
+            self._last = None
 
     def speculate(self, rows: int) -> bool:
         if not self.started:

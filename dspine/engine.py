@@ -31,9 +31,13 @@ VerifyBudget = Callable[[Proposal], Tensor]
 class SpeculationSwitch(Protocol):
     """A verify budget that can also turn drafting off: before every round, `speculate(rows)` says
     whether this round drafts and verifies (True) or decodes plainly (False: one target step; the
-    drafter still follows the committed tokens, so it can draft again in any later round)."""
+    drafter still follows the committed tokens, so it can draft again in any later round). After
+    every drafting round, `drafted(seconds)` gets its wall time, the drafter's catch-up over the
+    plain steps before it included."""
 
     def speculate(self, rows: int) -> bool: ...
+
+    def drafted(self, seconds: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -177,7 +181,10 @@ def _generate_batch(target, proposer: Proposer | None, prompts: list[list[int]],
             _catch_up(proposer, unseen)
             anchor, emitted, fed = _speculative_round(runner, proposer, anchor, params, generator, verify_budget,
                                                       stats)
-        stats.round_timings.append(RoundTiming(len(active), fed, time.perf_counter() - round_start))
+        seconds = time.perf_counter() - round_start
+        stats.round_timings.append(RoundTiming(len(active), fed, seconds))
+        if not plain and isinstance(verify_budget, SpeculationSwitch):
+            verify_budget.drafted(seconds)
         for r, i in enumerate(active):
             out[i].extend(emitted[r])
     _sync(device)

@@ -392,6 +392,24 @@ def test_switch_decodes_plainly_for_the_rounds_a_probe_loses(llama_target, plain
     assert recorder.observed_survival.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
 
 
+def test_switch_backs_off_by_the_measured_loss_when_the_table_is_optimistic(llama_target, plain):
+    prompts, truth = plain
+    # The table says a drafting round takes 1 ns and a plain step 1 us: drafting wins on paper
+    # (1 ns against 3.755 x 1 us), so only the measured wall time (milliseconds) can make it lose.
+    optimistic = SpsCostTable((1,), (1e9,), max_batch_tokens=1)
+    plain_step = SpsCostTable((1,), (1e6,), max_batch_tokens=1)
+    verifier = make_verify_budget(VerifyPlanner(optimistic), plain_table=plain_step, probe_share=0.5, max_backoff=3)
+    plan = VerifyPlan(0, torch.zeros(1), 3.755, 1e-9)
+    assert verifier.plain_rounds_after(plan, 1) == 0
+    assert verifier.plain_rounds_after(plan, 1, seconds=2.5e-6) == 0        # 2.5 us < 3.755 us: still wins
+    assert verifier.plain_rounds_after(plan, 1, seconds=4.5e-6) == 2        # loses 0.745 us: ceil(0.745 / 0.5)
+    out = generate(llama_target, KnownPrefixProposer(prompts, truth, k=3), prompts, max_new_tokens=MAX_NEW,
+                   stop_token_ids=[], verify_budget=verifier)
+    assert out.tokens == [t[:MAX_NEW] for t in truth]
+    # Every drafting round really takes milliseconds: each is followed by max_backoff plain steps.
+    assert round_kinds(out.stats, 7) == "SPPPSPPPSPPPS"
+
+
 def test_prior_survival_decides_the_first_round_before_any_draft(llama_target, plain):
     prompts, truth = plain
     prior = torch.tensor([0.95, 0.95, 0.95, 0.05, 0.05, 0.05, 0.05], dtype=torch.float64).cumprod(0)
