@@ -150,6 +150,7 @@ def _generate_batch(target, proposer: Proposer | None, prompts: list[list[int]],
     _sync(device)
     stats.prefill_seconds += time.perf_counter() - t0
     t0 = time.perf_counter()
+    switch = verify_budget if isinstance(verify_budget, SpeculationSwitch) else None   # checked once, not per round
     active = list(range(len(prompts)))                     # batch row -> prompt index
     unseen: list[tuple[Tensor, Tensor]] = []               # plain steps (ids, hidden) not yet shown to the drafter
     while True:
@@ -165,8 +166,7 @@ def _generate_batch(target, proposer: Proposer | None, prompts: list[list[int]],
             params, anchor = params.select(rows), anchor[rows]
             active = [active[r] for r in keep_rows]
         round_start = time.perf_counter()
-        plain = proposer is None or (isinstance(verify_budget, SpeculationSwitch)
-                                     and not verify_budget.speculate(len(active)))
+        plain = proposer is None or (switch is not None and not switch.speculate(len(active)))
         if plain:
             step_ids = anchor[:, None]
             step = runner.verify(step_ids)
@@ -183,8 +183,8 @@ def _generate_batch(target, proposer: Proposer | None, prompts: list[list[int]],
                                                       stats)
         seconds = time.perf_counter() - round_start
         stats.round_timings.append(RoundTiming(len(active), fed, seconds))
-        if not plain and isinstance(verify_budget, SpeculationSwitch):
-            verify_budget.drafted(seconds)
+        if not plain and switch is not None:
+            switch.drafted(seconds)
         for r, i in enumerate(active):
             out[i].extend(emitted[r])
     _sync(device)
