@@ -106,10 +106,54 @@ def test_errors_name_the_cause(tmp_path, monkeypatch, capsys):
                                  out=str(tmp_path / "d.jsonl")))()
     assert cmd_gen_data(args) == 2
     assert "--samples-per-prompt > 1 with greedy decoding" in capsys.readouterr().err
+    args.samples_per_prompt, args.top_p, args.top_k = 1, 0.95, 0
+    assert cmd_gen_data(args) == 2
+    assert "--top-p/--top-k shape sampled answers" in capsys.readouterr().err
+    args.temperature, args.top_p = 1.0, 1.5
+    assert cmd_gen_data(args) == 2
+    assert "--top-p must be in (0, 1]" in capsys.readouterr().err
     assert not (tmp_path / "d.jsonl").exists()
 
 
 def test_samples_per_prompt_ids():
-    repeated = gen_data._repeat_for_samples(PROMPTS[:2], 3)
+    repeated = gen_data._repeat_for_samples(PROMPTS[:2], 3, sampled=True)
     assert [p.id for p in repeated] == ["t/0#0", "t/0#1", "t/0#2", "t/1#0", "t/1#1", "t/1#2"]
     assert repeated[4].messages == PROMPTS[1].messages
+    # one sampled answer per prompt still gets '#0': it joins a greedy file without clashing ids
+    assert [p.id for p in gen_data._repeat_for_samples(PROMPTS[:2], 1, sampled=True)] == ["t/0#0", "t/1#0"]
+    assert [p.id for p in gen_data._repeat_for_samples(PROMPTS[:2], 1, sampled=False)] == ["t/0", "t/1"]
+
+
+def test_top_k_one_sampling_is_greedy(smollm2):
+    """T=1 with top-k 1 keeps only the argmax: the sampled answers must equal the greedy ones. Without
+    an explicit top_k, transformers would sample from its generation config's top-k 50 instead."""
+    target, tokenizer, _ = smollm2
+    common = dict(max_prompt_tokens=384, max_new_tokens=MAX_NEW, batch_size=3, seed=0, progress=False)
+    greedy = list(gen_data.generate_answers(target, tokenizer, PROMPTS, temperature=0.0, **common))
+    top1 = list(gen_data.generate_answers(target, tokenizer, PROMPTS, temperature=1.0, top_k=1, **common))
+    assert top1 == greedy
+    wide = list(gen_data.generate_answers(target, tokenizer, PROMPTS, temperature=5.0, **common))
+    assert wide != greedy, "T=5 sampling matched greedy on every prompt: the test lost its point"
+
+
+def test_server_gets_the_sampling_settings():
+    seen: list[dict] = []
+
+    class Handler(JsonHandler):
+        def do_POST(self):
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_json([{"output_ids": [4], "meta_info": {}}])
+
+    server = start_server(Handler)
+    try:
+        gen_data.server_answers(server.url, [[1]], [2], max_new_tokens=4, temperature=1.0, seed=7, top_p=0.95,
+                                top_k=20)
+        gen_data.server_answers(server.url, [[1]], [2], max_new_tokens=4, temperature=0.8, seed=7)
+        gen_data.server_answers(server.url, [[1]], [2], max_new_tokens=4, temperature=0.0, seed=7, top_p=0.5)
+    finally:
+        server.shutdown()
+    params = [b["sampling_params"] for b in seen]
+    assert (params[0]["temperature"], params[0]["top_p"], params[0]["top_k"], params[0]["sampling_seed"]) == \
+        (1.0, 0.95, 20, 7)
+    assert (params[1]["top_p"], params[1]["top_k"]) == (1.0, -1)    # off, in SGLang's terms
+    assert "top_p" not in params[2] and "sampling_seed" not in params[2]   # greedy: no sampling settings

@@ -8,9 +8,10 @@ token}`; written to a temporary file and renamed, so an interrupted run leaves n
 
 Two generators give the same records: the target in transformers (`generate`, batched, default)
 or a running SGLang server of the same target (`--server URL`: native `/generate` on the chat
-template's token ids, many requests in flight; much faster for large data sets). With
-`--samples-per-prompt K` (needs `--temperature > 0`) every prompt gets K sampled answers, ids
-`<prompt id>#<k>`.
+template's token ids, many requests in flight; much faster for large data sets). Sampled answers
+(`--temperature > 0`, optionally `--top-p`/`--top-k` as the evaluation's T=1 uses) get ids
+`<prompt id>#<k>`, so a file of greedy answers and one of sampled answers concatenate without
+clashing ids; `--samples-per-prompt K` gives every prompt K of them.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ class GenDataError(RuntimeError):
 
 @torch.no_grad()
 def generate_answers(target, tokenizer, prompts, *, max_prompt_tokens: int, max_new_tokens: int, batch_size: int,
-                     temperature: float, seed: int, progress: bool = True):
-    """Yield sequence records for `prompts` (a list of `dspine.datasets.Prompt`)."""
+                     temperature: float, seed: int, top_p: float = 1.0, top_k: int = 0, progress: bool = True):
+    """Yield sequence records for `prompts` (a list of `dspine.datasets.Prompt`). Greedy when
+    `temperature` is 0, else sampled with top-p (1 = off) and top-k (0 = off)."""
     from tqdm.auto import tqdm
 
     device = next(target.parameters()).device
@@ -58,7 +60,9 @@ def generate_answers(target, tokenizer, prompts, *, max_prompt_tokens: int, max_
             attention[b, width - len(ids):] = 1
         out = target.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
                               max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                              temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
+                              # explicit top_p/top_k: None would fall back to the generation config's (top-k 50)
+                              temperature=temperature if temperature > 0 else None,
+                              top_p=top_p if temperature > 0 else None, top_k=top_k if temperature > 0 else None,
                               eos_token_id=stops, pad_token_id=pad)
         for b, (prompt, ids) in enumerate(chunk):
             answer = out[b, width:].tolist()
@@ -86,13 +90,15 @@ def _post_generate(url: str, body: dict, timeout: float) -> list[dict]:
 
 
 def server_answers(url: str, prompt_ids: list[list[int]], stops: list[int], *, max_new_tokens: int,
-                   temperature: float, seed: int, timeout: float = 600.0) -> list[list[int]]:
+                   temperature: float, seed: int, top_p: float = 1.0, top_k: int = 0,
+                   timeout: float = 600.0) -> list[list[int]]:
     """Answers of an SGLang server to `prompt_ids` (one batched native `/generate`), each ending
-    with its stop token when generation stopped on one (as transformers' `generate` does)."""
+    with its stop token when generation stopped on one (as transformers' `generate` does).
+    top_k 0 (off) is SGLang's -1."""
     params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "stop_token_ids": stops,
               "skip_special_tokens": False}
     if temperature > 0:
-        params["sampling_seed"] = seed
+        params.update(sampling_seed=seed, top_p=top_p, top_k=top_k if top_k > 0 else -1)
     replies = _post_generate(url, {"input_ids": prompt_ids, "sampling_params": params}, timeout)
     if len(replies) != len(prompt_ids):
         raise GenDataError(f"{url}/generate returned {len(replies)} answers for {len(prompt_ids)} prompts")
@@ -113,7 +119,7 @@ def server_answers(url: str, prompt_ids: list[list[int]], stops: list[int], *, m
 
 def generate_answers_server(url: str, tokenizer, stops: list[int], prompts, *, max_prompt_tokens: int,
                             max_new_tokens: int, batch_size: int, concurrency: int, temperature: float,
-                            seed: int, progress: bool = True):
+                            seed: int, top_p: float = 1.0, top_k: int = 0, progress: bool = True):
     """Like `generate_answers`, through an SGLang server: batches of `batch_size` prompts,
     `concurrency` batches in flight. Records come in prompt order."""
     from tqdm.auto import tqdm
@@ -125,7 +131,7 @@ def generate_answers_server(url: str, tokenizer, stops: list[int], prompts, *, m
     def run(index: int) -> list[list[int]]:
         chunk = batches[index]
         return server_answers(url, [ids for _, ids in chunk], stops, max_new_tokens=max_new_tokens,
-                              temperature=temperature, seed=seed + index)
+                              temperature=temperature, seed=seed + index, top_p=top_p, top_k=top_k)
 
     bar = tqdm(total=len(encoded), desc="gen-data", unit="seq", disable=not progress)
     started, produced = time.perf_counter(), 0
@@ -139,9 +145,9 @@ def generate_answers_server(url: str, tokenizer, stops: list[int], prompts, *, m
     bar.close()
 
 
-def _repeat_for_samples(prompts, k: int):
-    """Each prompt k times, ids `<id>#<j>` (k = 1: unchanged)."""
-    if k == 1:
+def _repeat_for_samples(prompts, k: int, sampled: bool):
+    """Each prompt k times, ids `<id>#<j>`; greedy answers (`sampled` False, k = 1) keep the ids."""
+    if not sampled:
         return list(prompts)
     return [type(p)(f"{p.id}#{j}", p.messages, p.source) for p in prompts for j in range(k)]
 
@@ -152,14 +158,21 @@ def run_gen_data(args) -> int:
     if args.samples_per_prompt > 1 and args.temperature <= 0:
         raise GenDataError("--samples-per-prompt > 1 with greedy decoding repeats one answer: "
                            "set --temperature > 0 (e.g. 0.8)")
-    prompts = _repeat_for_samples(training_prompts(args.num_prompts, seed=args.seed), args.samples_per_prompt)
+    if args.temperature <= 0 and (args.top_p != 1.0 or args.top_k != 0):
+        raise GenDataError("--top-p/--top-k shape sampled answers and do nothing with greedy decoding: "
+                           "set --temperature > 0 (the evaluation's T=1 uses --temperature 1 --top-p 0.95 --top-k 20)")
+    if not 0 < args.top_p <= 1 or args.top_k < 0:
+        raise GenDataError(f"--top-p must be in (0, 1] and --top-k >= 0 (0 = off), got {args.top_p} and {args.top_k}")
+    prompts = _repeat_for_samples(training_prompts(args.num_prompts, seed=args.seed), args.samples_per_prompt,
+                                  sampled=args.temperature > 0)
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if args.server:
         tokenizer, stops = load_tokenizer(args.target)
         records = generate_answers_server(args.server, tokenizer, stops, prompts,
                                           max_prompt_tokens=args.max_prompt_tokens,
                                           max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                          concurrency=args.concurrency, temperature=args.temperature,
-                                          seed=args.seed, progress=not args.quiet)
+                                          concurrency=args.concurrency, seed=args.seed, progress=not args.quiet,
+                                          **sampling)
     else:
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
         target, tokenizer = load_target(args.target, dtype=dtype, device=args.device)
@@ -167,7 +180,7 @@ def run_gen_data(args) -> int:
             target.generation_config.cache_implementation = None
         records = generate_answers(target, tokenizer, prompts, max_prompt_tokens=args.max_prompt_tokens,
                                    max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                   temperature=args.temperature, seed=args.seed, progress=not args.quiet)
+                                   seed=args.seed, progress=not args.quiet, **sampling)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.partial")
@@ -198,7 +211,10 @@ def add_arguments(p) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="--server: requests in flight")
     p.add_argument("--samples-per-prompt", type=int, default=1,
                    help="sampled answers per prompt (needs --temperature > 0); ids get '#<k>'")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers (default)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy answers (default); > 0 samples them (ids get '#<k>')")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampled answers: nucleus mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sampled answers: keep the k likeliest tokens (0 = off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# #3 end to end on the GPU host, after the SGLang bundle is staged (docs/sglang.md, "GPU host"):
+# target-regenerated data, the DSpine drafter and its ablation trained at once on it (same data,
+# steps, seed), then `bench-accept` of both. One H200, ~22 minutes at the defaults.
+#
+#   bash scripts/gpu_train_pair.sh OUT [SAMPLED_PROMPTS] [STEPS] [VARIANT 'KEY=JSON ...']
+#
+#   OUT              results: data.jsonl.gz, train_log_*.json, acc/*.json, ckpt_* (checkpoints)
+#   SAMPLED_PROMPTS  how many training prompts also get one sampled answer (T=1, top-p 0.95,
+#                    top-k 20: the evaluation's T=1) beside every prompt's greedy answer (default 6000)
+#   STEPS            training steps of both drafters (default 2000)
+#   VARIANT          a DSpine variant name and its drafter overrides, trained instead of the
+#                    configured DSpine drafter, e.g. light-layers 'layer_loss_weights=[0.1,0.08,0.06,0.04,0.02]'
+#
+# Needs $DSPINE_PROMPTS_DIR's export of all training prompts (.gpu-dspine/prompts-full, carried).
+# 1. an AR server of the target; gen-data greedy (every prompt) and sampled (the first SAMPLED_PROMPTS)
+#    as two clients at once; the server stops; the two files join into OUT/data.jsonl.
+# 2. train_pair.py: the DSpine drafter (or VARIANT) and the ablation, one process each, sharing the GPU.
+# 3. bench-accept, one process per drafter (32 prompts per set, 160 new tokens, T=0 and T=1; greedy
+#    parity checked for DSpine), merged into OUT/acceptance_smollm2.json; a third process measures the
+#    DSpine drafter with argmax selection (injection alone: OUT/acc/dspine_argmax.json).
+set -eo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?OUT directory}; SAMPLED=${2:-6000}; STEPS=${3:-2000}; VARIANT=${4:-}; VARIANT_SET=${5:-}
+# shellcheck source=/dev/null
+source scripts/gpu_host_sglang.sh
+export DSPINE_PROMPTS_DIR=${DSPINE_PROMPTS_DIR_FULL:-$PWD/.gpu-dspine/prompts-full}
+mkdir -p "$OUT/acc"
+T0=$SECONDS
+say() { echo "[gpu_train_pair +$((SECONDS - T0))s] $*"; }
+
+dspine_server ar 30000 --cuda-graph-bs-decode 8 16 32 64 128 192 256 384 512 --max-running-requests 512 \
+  --mem-fraction-static 0.5
+trap 'dspine_server_stop 30000' EXIT
+say "server up"
+GEN=(python3 -m dspine.cli gen-data --server http://127.0.0.1:30000 --target "$SMOLLM2" --batch-size 8
+     --concurrency 32 -q)
+"${GEN[@]}" --out "$OUT/greedy.jsonl" &
+greedy=$!
+"${GEN[@]}" --out "$OUT/sampled.jsonl" --num-prompts "$SAMPLED" --temperature 1 --top-p 0.95 --top-k 20
+wait $greedy
+dspine_server_stop 30000
+trap - EXIT
+cat "$OUT/greedy.jsonl" "$OUT/sampled.jsonl" > "$OUT/data.jsonl"
+gzip -k "$OUT/data.jsonl"
+say "data: $(wc -l < "$OUT/greedy.jsonl") greedy + $(wc -l < "$OUT/sampled.jsonl") sampled sequences"
+
+dspine_train_env   # from here on: the host's torch/transformers, the GGUF target (the server is gone)
+DSPINE_RUN=(train-dspine)
+NAME=dspine
+if [ -n "$VARIANT" ]; then
+  DSPINE_RUN+=(--variant "$VARIANT")
+  for kv in $VARIANT_SET; do DSPINE_RUN+=(--drafter-set "$kv"); done
+  NAME=dspine-$VARIANT
+fi
+COMMON=(--steps "$STEPS" --data "$OUT/data.jsonl" --work /tmp/dspine-run --out-dir "$OUT")
+python3 scripts/train_pair.py "${DSPINE_RUN[@]}" "${COMMON[@]}" > "$OUT/train-dspine.log" 2>&1 &
+dspine_pid=$!
+python3 scripts/train_pair.py train-ablation "${COMMON[@]}" > "$OUT/train-ablation.log" 2>&1
+wait $dspine_pid
+say "trained $NAME and the ablation, $STEPS steps each"
+
+ACC=(python3 -m dspine.cli bench-accept --num-prompts 32 --max-new-tokens 160 --batch-size 32 --device cuda)
+"${ACC[@]}" --drafter "dspine=$OUT/ckpt_$NAME" --check-parity --out "$OUT/acc/dspine.json" > "$OUT/acc/dspine.log" 2>&1 &
+acc_pid=$!
+"${ACC[@]}" --drafter "dspine-argmax=$OUT/ckpt_$NAME" --selection argmax --out "$OUT/acc/dspine_argmax.json" \
+  > "$OUT/acc/dspine_argmax.log" 2>&1 &
+argmax_pid=$!
+"${ACC[@]}" --drafter "ablation=$OUT/ckpt_ablation" --out "$OUT/acc/ablation.json" > "$OUT/acc/ablation.log" 2>&1
+wait $acc_pid
+wait $argmax_pid
+python3 -m dspine.cli bench-accept --merge "$OUT/acc/dspine.json" "$OUT/acc/ablation.json" \
+  --out "$OUT/acceptance_smollm2.json"
+say "done"
