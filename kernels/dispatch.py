@@ -1,7 +1,7 @@
 """Kernel-vs-reference choice: Triton on CUDA tensors, PyTorch elsewhere.
 
 `DSPINE_KERNELS=auto` (default) | `triton` | `torch`. Forcing `triton` on CPU tensors only works
-under `TRITON_INTERPRET=1` (the CPU test mode).
+under `TRITON_INTERPRET=1` (the CPU test mode). Under autocast the references run in every mode.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ def kernel_mode() -> str:
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """True when the fused Triton kernel should run on tensors living where `t` lives."""
+    """True when the fused Triton kernel should run on tensors living where `t` lives. Never under
+    autocast (e.g. the trainer's held-out evaluation), in any mode: the fused kernels take one dtype
+    for activations and weights, while the PyTorch references follow autocast's casts."""
     mode = kernel_mode()
-    if mode == "torch":
+    if mode == "torch" or torch.is_autocast_enabled(t.device.type):
         return False
-    if mode == "triton":
-        return True
-    return t.is_cuda
+    return mode == "triton" or t.is_cuda

@@ -99,3 +99,17 @@ def test_first_layer_candidates_equal_per_layer_when_every_token_is_a_candidate(
     (first.logits(out.hidden).logsumexp(-1).mean() + sum(s.logsumexp(-1).mean() for s in out.layer_scores)).backward()
     for i in range(first.config.num_hidden_layers):
         assert first.injections[i].score_proj.weight.grad.abs().sum() > 0
+
+
+def test_drafting_under_autocast_runs_the_reference(llama_target, monkeypatch):
+    """The trainer's held-out evaluation drafts under bf16 autocast, where activations are bf16 and the
+    weights fp32: the fused injection kernels (one dtype for both) must step aside, in every kernel
+    mode, and the result is the PyTorch reference's under the same autocast."""
+    model = drafter_for(llama_target, seed=0, injection_candidates="first_layer").eval()
+    args = _inputs(model)
+    outs = {}
+    for mode in ("triton", "torch"):
+        monkeypatch.setenv("DSPINE_KERNELS", mode)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            outs[mode] = model(*args).hidden
+    torch.testing.assert_close(outs["triton"], outs["torch"], rtol=0, atol=0)
