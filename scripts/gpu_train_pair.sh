@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # #3 end to end on the GPU host, after the SGLang bundle is staged (docs/sglang.md, "GPU host"):
 # target-regenerated data, the DSpine drafter and its ablation trained at once on it (same data,
-# steps, seed), then `bench-accept` of both. One H200, ~22 minutes at the defaults.
+# steps, seed), then `bench-accept` of both. One H200: data 7.2 min (server start included), training
+# ~9-10 min (both sharing the GPU), bench-accept ~3 min (session 11).
 #
 #   bash scripts/gpu_train_pair.sh OUT [SAMPLED_PROMPTS] [STEPS] [VARIANT 'KEY=JSON ...']
 #
@@ -10,11 +11,13 @@
 #                    top-k 20: the evaluation's T=1) beside every prompt's greedy answer (default 6000)
 #   STEPS            training steps of both drafters (default 2000)
 #   VARIANT          a DSpine variant name and its drafter overrides, trained instead of the
-#                    configured DSpine drafter, e.g. light-layers 'layer_loss_weights=[0.1,0.08,0.06,0.04,0.02]'
+#                    configured DSpine drafter, e.g. top16 injection_top_k=16 (several: 'KEY=JSON KEY=JSON')
 #
 # Needs $DSPINE_PROMPTS_DIR's export of all training prompts (.gpu-dspine/prompts-full, carried).
 # 1. an AR server of the target; gen-data greedy (every prompt) and sampled (the first SAMPLED_PROMPTS)
-#    as two clients at once; the server stops; the two files join into OUT/data.jsonl.
+#    as two clients at once; the server stops; the two files join into OUT/data.jsonl. With
+#    DSPINE_DATA=FILE (.jsonl or .jsonl.gz, e.g. an earlier run's OUT/data.jsonl.gz) that file is the
+#    data instead: no server, no generation (~7 minutes less).
 # 2. train_pair.py: the DSpine drafter (or VARIANT) and the ablation, one process each, sharing the GPU.
 # 3. bench-accept, one process per drafter (32 prompts per set, 160 new tokens, T=0 and T=1; greedy
 #    parity checked for DSpine), merged into OUT/acceptance_smollm2.json; a third process measures the
@@ -29,21 +32,26 @@ mkdir -p "$OUT/acc"
 T0=$SECONDS
 say() { echo "[gpu_train_pair +$((SECONDS - T0))s] $*"; }
 
-dspine_server ar 30000 --cuda-graph-bs-decode 8 16 32 64 128 192 256 384 512 --max-running-requests 512 \
-  --mem-fraction-static 0.5
-trap 'dspine_server_stop 30000' EXIT
-say "server up"
-GEN=(python3 -m dspine.cli gen-data --server http://127.0.0.1:30000 --target "$SMOLLM2" --batch-size 8
-     --concurrency 32 -q)
-"${GEN[@]}" --out "$OUT/greedy.jsonl" &
-greedy=$!
-"${GEN[@]}" --out "$OUT/sampled.jsonl" --num-prompts "$SAMPLED" --temperature 1 --top-p 0.95 --top-k 20
-wait $greedy
-dspine_server_stop 30000
-trap - EXIT
-cat "$OUT/greedy.jsonl" "$OUT/sampled.jsonl" > "$OUT/data.jsonl"
-gzip -k "$OUT/data.jsonl"
-say "data: $(wc -l < "$OUT/greedy.jsonl") greedy + $(wc -l < "$OUT/sampled.jsonl") sampled sequences"
+if [ -n "${DSPINE_DATA:-}" ]; then
+  case $DSPINE_DATA in *.gz) gzip -dc "$DSPINE_DATA" > "$OUT/data.jsonl" ;; *) cp "$DSPINE_DATA" "$OUT/data.jsonl" ;; esac
+  say "data: $(wc -l < "$OUT/data.jsonl") sequences from $DSPINE_DATA"
+else
+  dspine_server ar 30000 --cuda-graph-bs-decode 8 16 32 64 128 192 256 384 512 --max-running-requests 512 \
+    --mem-fraction-static 0.5
+  trap 'dspine_server_stop 30000' EXIT
+  say "server up"
+  GEN=(python3 -m dspine.cli gen-data --server http://127.0.0.1:30000 --target "$SMOLLM2" --batch-size 8
+       --concurrency 32 -q)
+  "${GEN[@]}" --out "$OUT/greedy.jsonl" &
+  greedy=$!
+  "${GEN[@]}" --out "$OUT/sampled.jsonl" --num-prompts "$SAMPLED" --temperature 1 --top-p 0.95 --top-k 20
+  wait $greedy
+  dspine_server_stop 30000
+  trap - EXIT
+  cat "$OUT/greedy.jsonl" "$OUT/sampled.jsonl" > "$OUT/data.jsonl"
+  gzip -k "$OUT/data.jsonl"
+  say "data: $(wc -l < "$OUT/greedy.jsonl") greedy + $(wc -l < "$OUT/sampled.jsonl") sampled sequences"
+fi
 
 dspine_train_env   # from here on: the host's torch/transformers, the GGUF target (the server is gone)
 DSPINE_RUN=(train-dspine)

@@ -14,11 +14,9 @@ With a fixed step count both can train at once, one process each (resumable, `--
   python scripts/train_pair.py train-ablation --steps N --data D --work W --out-dir O --time-limit 540
 
 A DSpine variant against the same ablation (same data, steps, seed; only the named fields differ),
-e.g. lighter layer-wise supervision, writes train_log_dspine-light-layers.json and
-ckpt_dspine-light-layers:
+e.g. a wider injection, writes train_log_dspine-top16.json and ckpt_dspine-top16:
 
-  python scripts/train_pair.py train-dspine --steps N ... --variant light-layers \
-      --drafter-set 'layer_loss_weights=[0.1,0.08,0.06,0.04,0.02]'
+  python scripts/train_pair.py train-dspine --steps N ... --variant top16 --drafter-set injection_top_k=16
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ CONFIGS = {"dspine": "configs/train/smollm2-dspine.yaml", "ablation": "configs/t
 
 
 def drafter_settings(pairs: list[str]) -> dict:
-    """`KEY=JSON` strings -> {KEY: value} for the drafter block, e.g. layer_loss_weights=[0.1,0.08,0.06,0.04,0.02]."""
+    """`KEY=JSON` strings -> {KEY: value} for the drafter block, e.g. layer_loss_weights=[0.5,0.4,0.3,0.2,0.1]."""
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -90,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=3000)
     p.add_argument("--time-limit", type=float, default=None, help="hard stop (s); the run resumes when re-run")
     p.add_argument("--variant", default=None,
-                   help="train-dspine: name of a variant run (e.g. light-layers), kept apart from the pair's")
+                   help="train-dspine: name of a variant run (e.g. top16), kept apart from the pair's")
     p.add_argument("--drafter-set", action="append", default=[], metavar="KEY=JSON",
                    help="train-dspine with --variant: override a drafter config field (repeatable), e.g. "
-                        "layer_loss_weights=[0.1,0.08,0.06,0.04,0.02]")
+                        "injection_top_k=16 or transfer_rank=128")
     p.add_argument("--steps", type=int, default=None,
                    help="train-dspine: required; train-ablation: the DSpine run's step count (default: the "
                         "probe's, from --work/steps.json)")

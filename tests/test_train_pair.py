@@ -19,11 +19,11 @@ def _args(**kw):
 
 def test_a_variant_changes_only_what_it_sets():
     name, plain = pair.build_config("dspine", _args(), 100)
-    vname, variant = pair.build_config("dspine", _args(variant="light", drafter_set=[
-        "layer_loss_weights=[0.1,0.08,0.06,0.04,0.02]", 'selection="argmax"']), 100)
+    vname, variant = pair.build_config("dspine", _args(variant="heavy", drafter_set=[
+        "layer_loss_weights=[0.5,0.4,0.3,0.2,0.1]", 'selection="argmax"']), 100)
     assert (name, plain.run_dir) == ("dspine", "/w/dspine")
-    assert (vname, variant.run_dir) == ("dspine-light", "/w/dspine-light")
-    assert variant.drafter["layer_loss_weights"] == [0.1, 0.08, 0.06, 0.04, 0.02]
+    assert (vname, variant.run_dir) == ("dspine-heavy", "/w/dspine-heavy")
+    assert variant.drafter["layer_loss_weights"] == [0.5, 0.4, 0.3, 0.2, 0.1]
     assert variant.drafter["selection"] == "argmax"
     changed = {k for k in plain.drafter.keys() | variant.drafter.keys()
                if plain.drafter.get(k) != variant.drafter.get(k)}
