@@ -15,8 +15,8 @@ from dspine.targets import chat_prompt_ids, load_target, stop_token_ids
 pytestmark = pytest.mark.slow
 
 # Measured on this prompt set when the drafter was committed (fp32 CPU): tau = TAU_MEASURED.
-TAU_MEASURED = 1.949
-TAU_FLOOR = 1.8  # a random drafter gives 1.0; the previous shipped drafter (643 steps) 1.705
+TAU_MEASURED = 2.132
+TAU_FLOOR = 2.0  # a random drafter gives 1.0; the previous shipped drafters 1.705 (643 steps), 1.949 (heavy layer losses)
 
 
 @pytest.fixture(scope="module")
