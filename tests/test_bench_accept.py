@@ -1,5 +1,5 @@
-"""`dspine bench-accept`: `--merge` joins the result files of separate runs; `--selection` and
-`--transition-lambda` override how a loaded drafter selects its tokens."""
+"""`dspine bench-accept`: `--merge` joins the result files of separate runs; `--selection`,
+`--transition-lambda` and `--injection-top-k` override how a loaded drafter drafts and selects."""
 
 from __future__ import annotations
 
@@ -76,7 +76,11 @@ def test_selection_overrides_reach_the_drafter_and_refuse_a_drafter_without_a_sc
 
     def fake_generate(target_, drafter, ids, **kw):
         seen.append(None if drafter is None else (drafter.config.selection, drafter.config.transition_lambda))
+        if drafter is not None and drafter.injections is not None:
+            top_ks.append({m.top_k for m in drafter.injections})
         return Result()
+
+    top_ks = []
 
     monkeypatch.setattr(bench_accept, "load_target", lambda *a, **k: (target, None))
     monkeypatch.setattr(bench_accept, "stop_token_ids", lambda *a: [2])
@@ -97,3 +101,13 @@ def test_selection_overrides_reach_the_drafter_and_refuse_a_drafter_without_a_sc
     with pytest.raises(SystemExit, match="no transition scorer"):
         bench_accept.run_bench_accept(_parse(["--drafter", f"a={tmp_path / 'ablation'}", "--selection",
                                               "transition", *common]))
+    # --injection-top-k reaches every injection module (what the drafting forward reads)
+    trained_k = drafter_for(target).config.injection_top_k
+    top_ks.clear()
+    assert bench_accept.run_bench_accept(_parse(["--drafter", f"d={tmp_path / 'dspine'}", *common])) == 0
+    assert bench_accept.run_bench_accept(_parse(["--drafter", f"d={tmp_path / 'dspine'}", "--injection-top-k",
+                                                 str(trained_k + 3), *common])) == 0
+    assert top_ks == [{trained_k}, {trained_k + 3}]
+    with pytest.raises(SystemExit, match="has no injection"):
+        bench_accept.run_bench_accept(_parse(["--drafter", f"a={tmp_path / 'ablation'}", "--injection-top-k", "4",
+                                              *common]))

@@ -44,6 +44,13 @@ def run_bench_accept(args) -> int:
         drafters[name] = load_checkpoint(path, target=target, device=args.device, dtype=dtype)
         if args.injection_candidates and drafters[name].injections is not None:  # a runtime choice: no weights
             drafters[name].config.injection_candidates = args.injection_candidates
+        if args.injection_top_k is not None:
+            if drafters[name].injections is None:
+                raise SystemExit(f"bench-accept --injection-top-k: drafter {name!r} has no injection (it was "
+                                 f"trained with injection=false)")
+            drafters[name].config.injection_top_k = args.injection_top_k
+            for module in drafters[name].injections:
+                module.top_k = args.injection_top_k
         if args.selection == "transition" and drafters[name].transition is None:
             raise SystemExit(f"bench-accept --selection transition: drafter {name!r} has no transition scorer "
                              f"(it was trained with selection=argmax)")
@@ -188,6 +195,9 @@ def add_arguments(p) -> None:
     p.add_argument("--injection-candidates", choices=["per_layer", "first_layer"], default=None,
                    help="override how injecting drafters find candidates (default: as trained); first_layer "
                         "scans the vocabulary once per round instead of once per layer")
+    p.add_argument("--injection-top-k", type=int, default=None, metavar="K",
+                   help="override how many candidates each injection mixes (default: as trained); measures how "
+                        "sensitive a trained drafter is to its injection top-k")
     p.add_argument("--selection", choices=["argmax", "transition"], default=None,
                    help="override how drafters pick their tokens (default: as trained); argmax on a DSpine "
                         "drafter isolates what the transition selection adds")
