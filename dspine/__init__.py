@@ -4,9 +4,9 @@ Engine-independent API (no SGLang import): the drafter, its checkpoint format, s
 acceptance, and the reference engine `generate`.
 """
 
-from dspine.config import ConfigError, DSpineConfig
-from dspine.drafter import DSpineDraftModel
-from dspine.engine import GenerationResult, GenerationStats, generate
+from dspine.model.config import ConfigError, DSpineConfig
+from dspine.model.drafter import DSpineDraftModel
+from dspine.engine.generate import GenerationResult, GenerationStats, generate
 
 __all__ = ["ConfigError", "DSpineConfig", "DSpineDraftModel", "GenerationResult", "GenerationStats", "generate"]
 __version__ = "0.1.0"

@@ -12,19 +12,12 @@ import os
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DRAFTER = REPO_ROOT / "checkpoints" / "dspine-smollm2-135m-instruct"
 DEFAULT_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "Write a Python function that returns the n-th Fibonacci number.",
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May?",
 ]
-
-
-def default_drafter() -> Path:
-    """The shipped drafter for the default target (`$DSPINE_DEFAULT_DRAFTER` overrides)."""
-    return Path(os.environ.get("DSPINE_DEFAULT_DRAFTER", DEFAULT_DRAFTER))
 
 
 def _torch_dtype(name: str):
@@ -35,16 +28,16 @@ def _torch_dtype(name: str):
 
 def load_drafter_arg(spec: str, target, tokenizer, device: str, dtype):
     """`--drafter` value -> a drafter: a checkpoint dir/hub id, `random` or `none` (plain decoding)."""
-    from dspine.checkpoint import load_checkpoint
+    from dspine.model.checkpoint import load_checkpoint
 
     if spec == "none":
         return None
     if spec == "random":
         import torch
 
-        from dspine.config import DSpineConfig
-        from dspine.drafter import DSpineDraftModel
-        from dspine.targets import mask_token_candidate
+        from dspine.model.config import DSpineConfig
+        from dspine.model.drafter import DSpineDraftModel
+        from dspine.engine.targets import mask_token_candidate
 
         torch.manual_seed(0)
         cfg = DSpineConfig.for_target(target.config, mask_token_id=mask_token_candidate(tokenizer))
@@ -57,8 +50,8 @@ def load_drafter_arg(spec: str, target, tokenizer, device: str, dtype):
 def cmd_generate(args) -> int:
     import torch
 
-    from dspine.engine import generate
-    from dspine.targets import load_target, stop_token_ids
+    from dspine.engine.generate import generate
+    from dspine.engine.targets import load_target, stop_token_ids
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -66,10 +59,9 @@ def cmd_generate(args) -> int:
     target, tokenizer = load_target(args.target, dtype=dtype, device=args.device)
     drafter_spec = args.drafter
     if drafter_spec is None:
-        drafter_spec = str(default_drafter()) if default_drafter().is_dir() else "random"
-        if drafter_spec == "random":
-            print("dspine: no trained drafter found at checkpoints/; using a RANDOMLY INITIALISED drafter "
-                  "(outputs stay exact, acceptance will be ~0)", file=sys.stderr)
+        from dspine.model.checkpoint import default_drafter_dir
+
+        drafter_spec = str(default_drafter_dir())
     drafter = load_drafter_arg(drafter_spec, target, tokenizer, args.device, dtype)
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -104,7 +96,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from dspine.checkpoint import CheckpointError, check_target_compatible, read_config, resolve_checkpoint_dir
+    from dspine.model.checkpoint import CheckpointError, check_target_compatible, read_config, resolve_checkpoint_dir
 
     ckpt = resolve_checkpoint_dir(args.checkpoint)
     cfg = read_config(ckpt)
@@ -116,7 +108,7 @@ def cmd_info(args) -> int:
     if args.target is not None or args.check_default_target:
         from transformers import AutoConfig
 
-        from dspine.targets import load_target
+        from dspine.engine.targets import load_target
 
         target_cfg = (AutoConfig.from_pretrained(args.target) if args.target and Path(args.target).is_dir()
                       else load_target(args.target)[0].config)
@@ -167,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="print a checkpoint's config and its compatibility with a target",
-                       description="Example: dspine info checkpoints/dspine-smollm2-135m-instruct --check-default-target")
+                       description="Example: dspine info dspine/checkpoints/dspine-smollm2-135m-instruct --check-default-target")
     i.add_argument("checkpoint", help="drafter checkpoint directory or hub id")
     i.add_argument("--target", default=None, help="target to check against (local dir, hub id or default name)")
     i.add_argument("--check-default-target", action="store_true", help="check against SmolLM2-135M-Instruct")
@@ -182,7 +174,7 @@ def _extra_command_modules():
     """Subcommands that live beside the code they drive (each module exposes `add_command`)."""
     import importlib
 
-    for name in ("dspine.serving_presets", "dspine.train.cli", "dspine.sps_tuning"):
+    for name in ("dspine.serve.presets", "dspine.train.cli", "dspine.serve.tune_sps"):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -194,9 +186,9 @@ def _extra_command_modules():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dspine.checkpoint import CheckpointError
-    from dspine.config import ConfigError
-    from dspine.targets import TargetLoadError
+    from dspine.model.checkpoint import CheckpointError
+    from dspine.model.config import ConfigError
+    from dspine.engine.targets import TargetLoadError
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)

@@ -6,7 +6,7 @@
 #
 #   OUT      results directory (plain/, draft/, bench/)
 #   DRAFT    the DSpine checkpoint directory
-#   HELDOUT  held-out chat requests (python -m dspine.traces heldout benchmarks/traces/*.jsonl --count 206
+#   HELDOUT  held-out chat requests (python -m dspine.data.traces heldout benchmarks/traces/*.jsonl --count 206
 #            --out FILE, written on a machine with the ShareGPT package); never tuned on
 #   K        target tokens per plain step (default 8)
 #
@@ -45,7 +45,7 @@ python3 scripts/tune_sps.py --url http://127.0.0.1:30002 --traces "${TRACES[@]}"
   --concurrencies $LEVELS --gpu "NVIDIA H200" --plain-table "$OUT/plain/sps_table.json" --plain-tokens "$K"
 dspine_server_stop 30002
 
-python3 scripts/bench_dynamic.py --requests "$HELDOUT" --concurrency $LEVELS --min-requests 48 --repeats 3 \
+python3 dspine/bench/dynamic.py --requests "$HELDOUT" --concurrency $LEVELS --min-requests 48 --repeats 3 \
   --draft "$DRAFT" --model-path "$SMOLLM2" --extra-flags "$GRAPHS --mem-fraction-static 0.6" \
   --configs AR,DSPINE-static,DSPINE-dynamic,DSPINE-plain --url DSPINE-plain=http://127.0.0.1:30001 \
   --plain-tokens "$K" --switch "$OUT/draft/switch.json" --out-dir "$OUT/bench"

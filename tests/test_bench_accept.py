@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dspine.train.bench_accept import merge_results
+from dspine.bench.accept import merge_results
 
 
 def _result(name: str, taus: dict, identical: int) -> dict:
@@ -52,7 +52,7 @@ def test_merge_refuses_mixed_settings_and_repeated_drafters(tmp_path):
 def _parse(argv: list[str]):
     import argparse
 
-    from dspine.train.bench_accept import add_arguments
+    from dspine.bench.accept import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -64,8 +64,8 @@ def test_selection_overrides_reach_the_drafter_and_refuse_a_drafter_without_a_sc
     generation receives it); `--selection transition` on an argmax-trained drafter is refused."""
     from conftest import drafter_for, tiny_llama
 
-    import dspine.train.bench_accept as bench_accept
-    from dspine.checkpoint import save_checkpoint
+    import dspine.bench.accept as bench_accept
+    from dspine.model.checkpoint import save_checkpoint
 
     target = tiny_llama()
     seen = []

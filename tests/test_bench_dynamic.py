@@ -1,14 +1,15 @@
-"""scripts/bench_dynamic.py end to end against three stub servers (AR, DSPINE-static, DSPINE-dynamic)
+"""dspine/bench/dynamic.py end to end against three stub servers (AR, DSPINE-static, DSPINE-dynamic)
 on 127.0.0.1: the levels, the per-level accept length and verify tokens from meta_info, concurrency-1
 parity against AR, repeated levels, the results schema and the refusal of a dynamic run without a
 switch file."""
 
 from __future__ import annotations
+import importlib
 
 import json
 
 import pytest
-from conftest import JsonHandler, load_script, start_server
+from conftest import JsonHandler, start_server
 
 TOKENS = 6
 BLOCK = 16
@@ -53,7 +54,7 @@ def servers():
 
 
 def test_levels_verify_tokens_parity_and_schema(servers, tmp_path, capsys):
-    bench = load_script("bench_dynamic")
+    bench = importlib.import_module("dspine.bench.dynamic")
     requests = tmp_path / "heldout.jsonl"
     requests.write_text("".join(json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 999,
                                             "temperature": 0.7}) + "\n" for text in ("hello", "diverge", "more")))
@@ -86,7 +87,7 @@ def test_levels_verify_tokens_parity_and_schema(servers, tmp_path, capsys):
 def test_median_repeat_and_mixed_launchers(tmp_path):
     """The median repeat is reported (lower middle for an even count) with every repeat's throughput;
     `--url NAME=URL` serves the configs it names and serve.sh starts the others."""
-    bench = load_script("bench_dynamic")
+    bench = importlib.import_module("dspine.bench.dynamic")
     levels = [{"output_tok_per_s": x, "wall_s": x} for x in (30.0, 10.0, 20.0, 40.0)]
     assert bench.median_level(levels) == {"output_tok_per_s": 20.0, "wall_s": 20.0,
                                           "repeats_tok_per_s": [30.0, 10.0, 20.0, 40.0]}
@@ -104,7 +105,7 @@ def test_median_repeat_and_mixed_launchers(tmp_path):
 
 def test_ratios_against_the_mean_of_several_ar_runs(tmp_path):
     """With `ar_runs` the ratios use their mean, not the AR entries of `runs`; the plot draws them."""
-    bench = load_script("bench_dynamic")
+    bench = importlib.import_module("dspine.bench.dynamic")
     runs = [{"algorithm": "AR", "concurrency": 1, "output_tok_per_s": 100.0},
             {"algorithm": "DSPINE-dynamic", "concurrency": 1, "output_tok_per_s": 120.0}]
     assert bench.speedups(runs) == {"DSPINE-dynamic": [(1, 1.2)]}
@@ -116,7 +117,7 @@ def test_ratios_against_the_mean_of_several_ar_runs(tmp_path):
 
 
 def test_dynamic_needs_a_switch_file_and_requests_need_messages(tmp_path):
-    bench = load_script("bench_dynamic")
+    bench = importlib.import_module("dspine.bench.dynamic")
     requests = tmp_path / "r.jsonl"
     requests.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
     with pytest.raises(bench.bs_mod.BenchError, match="--switch"):

@@ -1,19 +1,20 @@
-"""scripts/bench_dynamic_reference.py: a whole run on a tiny target (tune on the dev traces' `tune`
+"""dspine/bench/dynamic_reference.py: a whole run on a tiny target (tune on the dev traces' `tune`
 split, measure on held-out requests): every algorithm at every concurrency, greedy outputs
 identical to AR's, a readable SPS table, the plain-step table, the held-out calibration report."""
 
 from __future__ import annotations
+import importlib
 
 import json
 
 import pytest
 import torch
-from conftest import drafter_for, load_script, tiny_llama
+from conftest import drafter_for, tiny_llama
 
-from dspine.checkpoint import save_checkpoint
-from dspine.dynamic_verification import load_sps_table
+from dspine.model.checkpoint import save_checkpoint
+from dspine.dynamic.verification import load_sps_table
 
-bench = load_script("bench_dynamic_reference")
+bench = importlib.import_module("dspine.bench.dynamic_reference")
 
 
 def test_plain_step_table_interpolates_the_measured_steps():
@@ -24,7 +25,7 @@ def test_plain_step_table_interpolates_the_measured_steps():
 
 
 def test_a_run_compares_ar_static_and_dynamic_on_heldout_requests(tmp_path, monkeypatch):
-    from dspine.targets import load_tokenizer
+    from dspine.engine.targets import load_tokenizer
 
     tokenizer, _ = load_tokenizer()
     target = tiny_llama(vocab=len(tokenizer))

@@ -1,4 +1,4 @@
-"""scripts/bench_serving.py and scripts/openai_client_demo.py end to end against a stub server.
+"""dspine/bench/serving.py and dspine/serve/openai_demo.py end to end against a stub server.
 
 The stub speaks the OpenAI chat-completions protocol (plain, SSE streaming, tools, SGLang's
 `return_meta_info`/`return_token_ids`, logprobs) on 127.0.0.1 at a free port, with deterministic
@@ -10,6 +10,7 @@ other planted divergence (what a drafter or commit bug would look like).
 """
 
 from __future__ import annotations
+import importlib
 
 import hashlib
 import importlib.util
@@ -18,7 +19,7 @@ import threading
 import time
 
 import pytest
-from conftest import JsonHandler, load_script, start_server
+from conftest import JsonHandler, start_server
 
 EVAL_SETS = ("gsm8k", "math500", "humaneval", "mbpp", "sharegpt-heldout")
 NEAR_TIE_PROMPT, OTHER_PROMPT = "q-gsm8k-0", "q-math500-0"  # planted divergences
@@ -205,7 +206,7 @@ def prompts_dir(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 def test_bench_serving_end_to_end(stub_server, prompts_dir, tmp_path):
-    bench = load_script("bench_serving")
+    bench = importlib.import_module("dspine.bench.serving")
     ar, dspine = stub_server("ar"), stub_server("dspine")
     out = tmp_path / "results"
     rc = bench.main(["--url", f"AR={ar}", "--url", f"DSPINE={dspine}", "--url", f"DSPINE-ablation={dspine}",
@@ -251,7 +252,7 @@ def test_bench_serving_end_to_end(stub_server, prompts_dir, tmp_path):
 def test_ar_control_compares_the_ar_server_with_itself_at_another_batch_size(stub_server, prompts_dir, tmp_path):
     """--ar-control 4: the AR server's near-tie flips only when requests overlap (the stub's
     "ar-batch" mode), so the serial parity pass and the concurrent control disagree there alone."""
-    bench = load_script("bench_serving")
+    bench = importlib.import_module("dspine.bench.serving")
     ar, dspine = stub_server("ar-batch"), stub_server("dspine")
     out = tmp_path / "results"
     assert bench.main(["--url", f"AR={ar}", "--url", f"DSPINE={dspine}", "--prompts", "12", "--max-tokens", "8",
@@ -269,7 +270,7 @@ def test_prefill_check_asks_the_ar_server_last_which_token_its_one_pass_forward_
                                                                                        tmp_path):
     """--prefill-check: AR is measured after DSPINE; at the planted near-tie the stub's one-pass
     prefill takes DSPINE's token, at the planted "other" divergence the AR token (a real fault)."""
-    bench = load_script("bench_serving")
+    bench = importlib.import_module("dspine.bench.serving")
     ar, dspine = stub_server("ar"), stub_server("dspine")
     out = tmp_path / "results"
     assert bench.main(["--url", f"AR={ar}", "--url", f"DSPINE={dspine}", "--prompts", "12", "--max-tokens", "8",
@@ -292,7 +293,7 @@ def test_prefill_check_asks_the_ar_server_last_which_token_its_one_pass_forward_
 
 
 def test_spec_flags_go_to_the_speculative_configs_only():
-    bench = load_script("bench_serving")
+    bench = importlib.import_module("dspine.bench.serving")
     replayssm = "--enable-linear-replayssm-spec --linear-replayssm-cache-len 32"
     args = bench.parse_args(["--model-path", "/m", "--draft", "/d", "--ablation-draft", "/a",
                              "--spec-flags", replayssm])
@@ -308,7 +309,7 @@ def test_spec_flags_go_to_the_speculative_configs_only():
 
 
 def test_results_name_writes_beside_the_default_results(stub_server, prompts_dir, tmp_path):
-    bench = load_script("bench_serving")
+    bench = importlib.import_module("dspine.bench.serving")
     out = tmp_path / "results"
     out.mkdir()
     (out / "serving_h200.json").write_text("{}")  # an earlier run's results stay untouched
@@ -330,7 +331,7 @@ def test_results_name_writes_beside_the_default_results(stub_server, prompts_dir
 
 
 def test_ceiling_arithmetic():
-    bench = load_script("bench_serving")
+    bench = importlib.import_module("dspine.bench.serving")
     ar = [bench.Reply(completion_tokens=100, wall_s=1.0), bench.Reply(completion_tokens=100, wall_s=1.0)]
     spec = [bench.Reply(completion_tokens=100, wall_s=0.5, meta_info={"spec_verify_ct": 25}),
             bench.Reply(completion_tokens=100, wall_s=0.5, meta_info={"spec_verify_ct": 25})]
@@ -344,7 +345,7 @@ def test_ceiling_arithmetic():
 
 
 def test_classify_prefix_and_missing_logprobs():
-    bench = load_script("bench_serving")
+    bench = importlib.import_module("dspine.bench.serving")
     ar = bench.Reply(3, 0.1, token_ids=[1, 2, 3], top2=[[-0.1, -0.12]] * 3)
     assert bench.classify(ar, bench.Reply(3, 0.1, token_ids=[1, 2, 3]), 0.1)["kind"] == "identical"
     early_stop = bench.classify(ar, bench.Reply(2, 0.1, token_ids=[1, 2]), 0.1)  # DSPINE ended at position 2
@@ -354,7 +355,7 @@ def test_classify_prefix_and_missing_logprobs():
 
 
 def test_near_tie_threshold_is_inclusive_and_bf16_sized():
-    bench = load_script("bench_serving")
+    bench = importlib.import_module("dspine.bench.serving")
     assert bench.parse_args([]).near_tie_nats == 0.25  # two bf16 steps of a logit in [16, 32)
     assert [bench.verdict(g, 0.25) for g in (0.0, 0.125, 0.25, 0.375, None)] \
         == ["near_tie", "near_tie", "near_tie", "other", "other"]
@@ -363,7 +364,7 @@ def test_near_tie_threshold_is_inclusive_and_bf16_sized():
 
 
 def test_schema_check_rejects_missing_and_mistyped():
-    bench = load_script("bench_serving")
+    bench = importlib.import_module("dspine.bench.serving")
     with pytest.raises(bench.BenchError, match="missing key 'parity'"):
         bench.check_schema({k: "x" for k in ("device", "date", "sglang", "target", "drafter", "command")}
                            | {"runs": [], "ceiling": {"t_step_ms": 1, "t_round_ms": 1, "accept_len": 1,
@@ -378,7 +379,7 @@ def test_schema_check_rejects_missing_and_mistyped():
 
 def test_openai_client_demo(stub_server, capsys):
     pytest.importorskip("openai")
-    demo = load_script("openai_client_demo")
+    demo = importlib.import_module("dspine.serve.openai_demo")
     assert demo.main(["--base-url", stub_server("ar") + "/v1", "--max-tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert "identical to the non-streamed answer" in out
@@ -387,13 +388,13 @@ def test_openai_client_demo(stub_server, capsys):
 
 def test_openai_client_demo_reports_stream_mismatch(stub_server, capsys):
     pytest.importorskip("openai")
-    demo = load_script("openai_client_demo")
+    demo = importlib.import_module("dspine.serve.openai_demo")
     assert demo.main(["--base-url", stub_server("broken") + "/v1", "--max-tokens", "6"]) == 1
     assert "streamed text differs" in capsys.readouterr().err
 
 
 def test_a_run_without_ar_creates_its_out_dir_and_leaves_ceiling_and_parity_null(stub_server, prompts_dir, tmp_path):
-    bench = load_script("bench_serving")
+    bench = importlib.import_module("dspine.bench.serving")
     out = tmp_path / "not" / "there" / "yet"
     rc = bench.main(["--url", f"DSPINE={stub_server('dspine')}", "--configs", "DSPINE", "--prompts", "3",
                      "--max-tokens", "4", "--concurrency", "1", "--waves", "1", "--results-name", "probe",
@@ -407,7 +408,7 @@ def test_a_run_without_ar_creates_its_out_dir_and_leaves_ceiling_and_parity_null
 def test_managed_servers_log_into_an_out_dir_that_did_not_exist(prompts_dir, tmp_path):
     """serve.sh writes the server log into --out-dir at start, before any result: the folder must
     exist by then (a stand-in serve script logs, then fails to start)."""
-    bench = load_script("bench_serving")
+    bench = importlib.import_module("dspine.bench.serving")
     serve = tmp_path / "serve.sh"
     serve.write_text('[ "$1" = start ] || exit 0\necho "starting with $*" > "$SGL_LOG" || exit 3\nexit 1\n')
     out = tmp_path / "new" / "results"

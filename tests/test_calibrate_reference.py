@@ -1,21 +1,22 @@
-"""scripts/calibrate_reference.py: a whole run on a tiny target with the repository's dev traces
+"""dspine/bench/calibrate_reference.py: a whole run on a tiny target with the repository's dev traces
 (fit on `tune`, report on `heldout`, STS file readable)."""
 
 from __future__ import annotations
+import importlib
 
 import json
 
 import torch
-from conftest import drafter_for, load_script, tiny_llama
+from conftest import drafter_for, tiny_llama
 
-from dspine.checkpoint import save_checkpoint
-from dspine.dynamic_verification import PositionCalibration
+from dspine.model.checkpoint import save_checkpoint
+from dspine.dynamic.verification import PositionCalibration
 
-calibrate = load_script("calibrate_reference")
+calibrate = importlib.import_module("dspine.bench.calibrate_reference")
 
 
 def test_a_run_fits_on_tune_and_reports_on_heldout(tmp_path, monkeypatch):
-    from dspine.targets import load_tokenizer
+    from dspine.engine.targets import load_tokenizer
 
     tokenizer, _ = load_tokenizer()
     target = tiny_llama(vocab=len(tokenizer))

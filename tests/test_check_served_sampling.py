@@ -1,7 +1,8 @@
-"""scripts/check_served_sampling.py against two stub servers: the same sampler passes, a sampler
+"""dspine/bench/served_sampling.py against two stub servers: the same sampler passes, a sampler
 that is off at one position fails there and only there."""
 
 from __future__ import annotations
+import importlib
 
 import json
 import random
@@ -9,9 +10,9 @@ import threading
 from collections import Counter
 
 import pytest
-from conftest import JsonHandler, load_script, start_server
+from conftest import JsonHandler, start_server
 
-check = load_script("check_served_sampling")
+check = importlib.import_module("dspine.bench.served_sampling")
 
 TOKENS = [11, 12, 13, 14, 15, 16]
 WEIGHTS = [0.35, 0.25, 0.15, 0.1, 0.1, 0.05]

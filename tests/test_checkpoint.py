@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import drafter_for, tiny_llama
-from dspine.checkpoint import (CheckpointError, IncompatibleTargetError, MissingTensorsError, TensorMismatchError,
+from dspine.model.checkpoint import (CheckpointError, IncompatibleTargetError, MissingTensorsError, TensorMismatchError,
                                UnexpectedTensorsError, load_checkpoint, save_checkpoint)
 
 
@@ -121,7 +121,7 @@ def test_failed_save_leaves_nothing(tmp_path, llama_target, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("dspine.checkpoint.save_file", boom)
+    monkeypatch.setattr("dspine.model.checkpoint.save_file", boom)
     with pytest.raises(OSError):
         save_checkpoint(model, tmp_path / "ckpt")
     with pytest.raises(OSError):

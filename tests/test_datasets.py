@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from dspine import datasets
-from dspine.datasets import (
+from dspine.data import datasets
+from dspine.data.datasets import (
     EVAL_SETS,
     Prompt,
     describe_prompt_sources,

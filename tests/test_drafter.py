@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from conftest import drafter_for
-from dspine.proposer import DSpineProposer
+from dspine.engine.proposer import DSpineProposer
 
 
 def _inputs(model, bs=2, ctx=10, seed=0):

@@ -13,10 +13,10 @@ import torch
 
 from conftest import drafter_for, fixed_prompts
 from dspine import generate
-from dspine.dynamic_verification import (ConfidenceRecorder, DynamicVerifier, FlatCostTable, PositionCalibration,
+from dspine.dynamic.verification import (ConfidenceRecorder, DynamicVerifier, FlatCostTable, PositionCalibration,
                                          SpsAdditiveCostTable, SpsCostTable, VerifyPlanner, expected_calibration_error, load_sps_table,
                                          VerifyPlan, make_verify_budget, sps_table_from_json, sps_table_to_json)
-from dspine.proposer import Proposal
+from dspine.engine.proposer import Proposal
 
 
 def random_survival(bs: int, n: int, g: torch.Generator, low: float = 0.01) -> torch.Tensor:

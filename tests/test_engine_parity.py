@@ -7,7 +7,7 @@ import torch
 
 from conftest import drafter_for, fixed_prompts, tiny_qwen2
 from dspine import generate
-from dspine.proposer import Proposal
+from dspine.engine.proposer import Proposal
 
 PROMPTS = 24
 MAX_NEW = 40

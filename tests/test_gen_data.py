@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import JsonHandler, start_server
 
-from dspine.datasets import Prompt, save_prompts
-from dspine.targets import load_target, stop_token_ids
+from dspine.data.datasets import Prompt, save_prompts
+from dspine.engine.targets import load_target, stop_token_ids
 from dspine.train import gen_data
 from dspine.train.cli import cmd_gen_data
 

@@ -15,8 +15,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from dspine.config import DSpineConfig  # noqa: E402
-from dspine.drafter import DSpineDraftModel  # noqa: E402
+from dspine.model.config import DSpineConfig  # noqa: E402
+from dspine.model.drafter import DSpineDraftModel  # noqa: E402
 from dspine.kernels.adjacent_injection import (  # noqa: E402
     adjacent_injection,
     adjacent_injection_reference,
@@ -29,7 +29,7 @@ from dspine.kernels.adjacent_injection import (  # noqa: E402
     transfer_features_reference,
 )
 from dspine.kernels.transition_select import transition_path, transition_path_reference  # noqa: E402
-from dspine.transition import TransitionScorer, select_tokens  # noqa: E402
+from dspine.model.transition import TransitionScorer, select_tokens  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Relative-norm tolerance of the injected hidden states. bf16: the kernel rounds once where the

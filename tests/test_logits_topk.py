@@ -1,4 +1,4 @@
-"""The split-V top-k of the draft logits (kernels/logits_topk.py) against its PyTorch reference.
+"""The split-V top-k of the draft logits (dspine/kernels/logits_topk.py) against its PyTorch reference.
 
 CPU: the Triton interpreter at small shapes (TRITON_INTERPRET=1, set before any kernel is built;
 `_multiprocessors` is 4 there, so rows still split into several slices and the merges run). GPU
@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from dspine.kernels import logits_topk as topk_module  # noqa: E402
 from dspine.kernels.logits_topk import logits_topk, logits_topk_reference, topk_grid  # noqa: E402
 from dspine.kernels.topk_keys import ordered_keys_reference  # noqa: E402
-from dspine.transition import TransitionScorer, select_tokens  # noqa: E402
+from dspine.model.transition import TransitionScorer, select_tokens  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,

@@ -12,14 +12,14 @@ pytest.importorskip("triton")
 
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule  # noqa: E402
 
-from dspine.hybrid_target import HybridTargetRunner  # noqa: E402
+from dspine.engine.hybrid_target import HybridTargetRunner  # noqa: E402
 from dspine.kernels.gated_delta_replay import (  # noqa: E402
     gated_delta_replay,
     gated_delta_replay_reference,
     gated_delta_verify_outputs,
     gated_delta_verify_outputs_reference,
 )
-from dspine.replay_ssm import ReplaySSMState, verify_scratch_bytes  # noqa: E402
+from dspine.engine.replay_ssm import ReplaySSMState, verify_scratch_bytes  # noqa: E402
 from conftest import tiny_qwen3_next  # noqa: E402
 
 torch.set_num_threads(1)

@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 from conftest import drafter_for, tiny_llama
 from dspine import generate
-from dspine.acceptance import SamplingParams, warp_probs
+from dspine.engine.acceptance import SamplingParams, warp_probs
 
 VOCAB, K_TOKENS, DRAWS = 6, 3, 10_000
 PROMPT = [4, 1, 5, 3]

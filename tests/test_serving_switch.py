@@ -1,4 +1,4 @@
-"""The SGLang worker's speculation switch (`dspine.serving_switch`), host side: decisions against a
+"""The SGLang worker's speculation switch (`dspine.dynamic.switch`), host side: decisions against a
 hand computation of the loss rule, the probe pattern, the confidence update, the switch file and the
 server-environment rules."""
 
@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from dspine.dynamic_verification import PositionCalibration, SpsCostTable
-from dspine.serving_switch import ServingSwitch, SwitchConfig, SwitchConfigError, write_switch_file
-from dspine.sglang.rules import FlagError, resolve_plain_tokens, resolve_step_switch
+from dspine.dynamic.verification import PositionCalibration, SpsCostTable
+from dspine.dynamic.switch import ServingSwitch, SwitchConfig, SwitchConfigError, write_switch_file
+from dspine.serve.flags import FlagError, resolve_plain_tokens, resolve_step_switch
 
 BLOCK = 4                                   # anchor + 3 proposals
 PLAIN = SpsCostTable((1, 4, 16), (1000.0, 800.0, 400.0), 16)               # T_plain: 1.0 / 1.25 / 2.5 ms

@@ -13,12 +13,12 @@ import pytest
 from conftest import JsonHandler, start_server
 
 from dspine.cli import main as dspine_main
-from dspine.dynamic_verification import (
+from dspine.dynamic.verification import (
     PositionCalibration,
     SpsCostTable,
     load_sps_table,
 )
-from dspine.sps_tuning import fit_additive, new_step_times
+from dspine.serve.tune_sps import fit_additive, new_step_times
 
 TRACE = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "sharegpt_dev.jsonl"
 VERIFY = 4           # stub's speculative_num_draft_tokens
@@ -198,7 +198,7 @@ def test_the_dspine_step_clock_is_preferred_over_sglangs_log_intervals(tmp_path,
 
 
 def test_clock_totals_and_deltas():
-    from dspine.sps_tuning import clock_delta, clock_totals
+    from dspine.serve.tune_sps import clock_delta, clock_totals
 
     info = {"internal_states": [{"dspine_step_time_dict": {"plain": {"2": [10, 0.5]}, "draft": {}}},
                                 {"dspine_step_time_dict": {"plain": {"2": [10, 0.5], "4": [1, 0.1]}}}]}
@@ -248,7 +248,7 @@ def test_plain_table_writes_the_switch_file(stub, tmp_path, capsys):
     observed survival (recomputed here from acceptance.jsonl); it loads as a SwitchConfig; the printed
     command sets DSPINE_DYNAMIC. A missing plain table or a bad --plain-tokens is refused before any
     replay."""
-    from dspine.serving_switch import SwitchConfig
+    from dspine.dynamic.switch import SwitchConfig
 
     plain, drafting = tmp_path / "plain", tmp_path / "draft"
     assert tune(stub, plain, "--concurrencies", "1,4", "--acceptance-requests", "0", "--verify-tokens", "1") == 0

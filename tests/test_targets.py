@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from dspine import targets
-from dspine.targets import (
+from dspine.engine import targets
+from dspine.engine.targets import (
     DEFAULT_TARGET,
     TargetLoadError,
     chat_prompt_ids,

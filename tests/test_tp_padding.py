@@ -1,4 +1,4 @@
-"""scripts/make_tp_padded_pair.py: the head-padded target and drafter compute what the originals do.
+"""dspine/bench/tp_padded_pair.py: the head-padded target and drafter compute what the originals do.
 
 Tiny grouped-query models with 6 query / 3 KV heads (head_dim 16, the SmolLM2 shape scaled down:
 3 KV heads cannot be split 2 ways) are padded for tp 2 to 8 / 4 heads. Checked: target logits
@@ -10,6 +10,7 @@ half-written.
 """
 
 from __future__ import annotations
+import importlib
 
 import json
 import shutil
@@ -17,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import drafter_for, fixed_prompts, load_script
+from conftest import drafter_for, fixed_prompts
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dspine import generate
-from dspine.checkpoint import load_checkpoint, save_checkpoint
-from dspine.proposer import DSpineProposer
+from dspine.model.checkpoint import load_checkpoint, save_checkpoint
+from dspine.engine.proposer import DSpineProposer
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 3, 16
 TP = 2
@@ -32,7 +33,7 @@ VOCAB = 128
 ATOL = 1e-5
 
 
-pad = load_script("make_tp_padded_pair")
+pad = importlib.import_module("dspine.bench.tp_padded_pair")
 
 
 # ---------------------------------------------------------------------------------------------

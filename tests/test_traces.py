@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dspine.traces import (TraceError, TraceRequest, bfcl_multiturn_requests, load_traces, parse_openai_request,
+from dspine.data.traces import (TraceError, TraceRequest, bfcl_multiturn_requests, load_traces, parse_openai_request,
                            sharegpt_requests, tooltalk_requests)
 
 TRACES = Path(__file__).resolve().parents[1] / "benchmarks" / "traces"

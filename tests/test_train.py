@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from dspine.checkpoint import load_checkpoint
+from dspine.model.checkpoint import load_checkpoint
 from dspine.train.blocks import make_block_batch
 from dspine.train.trainer import TrainConfig, train
 
@@ -35,7 +35,7 @@ def test_block_batch_masks_and_labels():
 def tiny_target_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dspine.targets import load_target
+    from dspine.engine.targets import load_target
 
     _, tokenizer = load_target()
     torch.manual_seed(0)

@@ -1,14 +1,14 @@
-"""scripts/train_pair.py: a DSpine variant differs from the pair's run only in the fields it sets,
+"""dspine/train/pair.py: a DSpine variant differs from the pair's run only in the fields it sets,
 and keeps its own run directory and name."""
 
 from __future__ import annotations
+import importlib
 
 import argparse
 
 import pytest
-from conftest import load_script
 
-pair = load_script("train_pair")
+pair = importlib.import_module("dspine.train.pair")
 
 
 def _args(**kw):

@@ -12,7 +12,7 @@ import inspect
 import os
 from typing import Any
 
-from dspine.sglang.rules import RAGGED_VERIFY_ENV
+from dspine.serve.flags import RAGGED_VERIFY_ENV
 
 
 def sglang_version() -> str:

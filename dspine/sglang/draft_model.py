@@ -32,7 +32,7 @@ What DSpine adds, and only here:
   proposal q). The lattice score of candidate c after predecessor a is
   `unary(c) + lambda * T(a, c)`, T(a, c) = (U[a] W_T) . U[c]; the walk is DSpine's
   (`kernels.transition_select`: Viterbi for greedy rows, inverse-CDF sampling with q otherwise), so
-  tokens and q equal `dspine.transition.select_tokens`. SGLang 0.5.17 has no seam: the worker
+  tokens and q equal `dspine.model.transition.select_tokens`. SGLang 0.5.17 has no seam: the worker
   folds the same functions into the draft graph through its own sampler (`worker.py`).
 - **Strict weights**: `load_weights` maps and loads every tensor of the checkpoint (Qwen3-style
   names, q/k/v and gate/up stacked) and raises naming every unexpected tensor and every parameter
@@ -58,13 +58,13 @@ from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.models.dflash import DFlashDraftModel as _DFlashDraftModel
 from torch import Tensor, nn
 
-from dspine.checkpoint import MissingTensorsError, TensorMismatchError, UnexpectedTensorsError, dflash_config_for
-from dspine.config import ConfigError, DSpineConfig
+from dspine.model.checkpoint import MissingTensorsError, TensorMismatchError, UnexpectedTensorsError, dflash_config_for
+from dspine.model.config import ConfigError, DSpineConfig
 from dspine.kernels import dispatch
 from dspine.kernels.transition_select import transition_path_reference
 from dspine.sglang import compat
-from dspine.transfer import AdjacentInjection, TransferSpace
-from dspine.transition import TransitionScorer
+from dspine.model.transfer import AdjacentInjection, TransferSpace
+from dspine.model.transition import TransitionScorer
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ def lattice_scores(scorer: TransitionScorer, table: Tensor, candidate_ids: Tenso
     """score[b, i, a, c] = unary[b, i, c] + lam * T(pred_a, cand_c), pred of slot 0 = the anchor.
 
     candidate_ids/unary: [bs, n, K]; anchor_ids: [bs] -> [bs, n, K, K] fp32 (SGLang's
-    `build_lattice` contract; the same numbers `dspine.transition.select_tokens` walks)."""
+    `build_lattice` contract; the same numbers `dspine.model.transition.select_tokens` walks)."""
     bs, _, k = candidate_ids.shape
     prev = torch.cat([anchor_ids[:, None, None].expand(bs, 1, k), candidate_ids[:, :-1]], dim=1)
     pair = scorer.pair(table, prev, candidate_ids).float()

@@ -1,6 +1,6 @@
 """`PlainStep`: the DSPINE worker's plain decoding step (K target tokens per request, no draft).
 
-The off side of the speculation switch (`dspine.serving_switch`). SGLang's DFlash worker captures
+The off side of the speculation switch (`dspine.dynamic.switch`). SGLang's DFlash worker captures
 the target's graphs in TARGET_VERIFY mode, N tokens per request, and that mode runs its attention as
 an extend over the prefix: even at one token per request it costs far more than a decode step (the
 H200 run measured 2.6 ms against AR's 1.2 ms at one request). `PlainStep` gives the target a second

@@ -32,7 +32,7 @@ import sys
 from typing import Callable
 
 from dspine.sglang import step_clock, step_profile
-from dspine.sglang.rules import ALGORITHM
+from dspine.serve.flags import ALGORITHM
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def _register_algorithm() -> None:
             raise RuntimeError(f"the speculative algorithm name {ALGORITHM} is already taken by "
                                f"{type(existing).__module__}.{type(existing).__name__}")
         return
-    from dspine.sglang.algorithm import DSpineSpecAlgo
+    from dspine.sglang.spec_algo import DSpineSpecAlgo
 
     SpeculativeAlgorithm.register(ALGORITHM, supports_overlap=True, spec_class=DSpineSpecAlgo)(_worker_factory)
     logger.info("DSpine: registered --speculative-algorithm %s.", ALGORITHM)
@@ -90,7 +90,7 @@ def _register_algorithm() -> None:
 def _worker_factory(server_args) -> type:
     """`CustomSpecAlgo.create_worker` calls this in the scheduler; the worker (CUDA-side imports)
     is imported only then."""
-    from dspine.sglang.worker import DSpineWorkerV2
+    from dspine.sglang.dspine_worker_v2 import DSpineWorkerV2
 
     return DSpineWorkerV2
 

@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     parser.add_argument("url", help="the server, e.g. http://127.0.0.1:30000")
     parser.add_argument("out_dir", type=Path, help="the server's DSPINE_STEP_PROFILE directory (same machine)")
     parser.add_argument("--requests", type=Path, required=True,
-                        help="OpenAI chat requests, JSONL (e.g. python -m dspine.traces heldout ... --out FILE)")
+                        help="OpenAI chat requests, JSONL (e.g. python -m dspine.data.traces heldout ... --out FILE)")
     parser.add_argument("--concurrency", default="1,16", help="one phase per value, in order (default 1,16)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per phase")

@@ -36,7 +36,8 @@ def cmd_gen_data(args) -> int:
 
 
 def add_command(sub) -> None:
-    from dspine.train import bench_accept, gen_data
+    from dspine.bench import accept as bench_accept
+    from dspine.train import gen_data
 
     raw = argparse.RawDescriptionHelpFormatter
     g = sub.add_parser("gen-data", help="regenerate training answers with the target itself", formatter_class=raw,
@@ -52,9 +53,9 @@ def add_command(sub) -> None:
                        description="Online training with checkpoint/resume. A run stopped by --time-limit-minutes "
                                    "exits with code 3 and continues where it stopped when started again.\n\n"
                                    "Examples:\n"
-                                   "  dspine train configs/train/smollm2-dspine.yaml --data runs/data/smollm2.jsonl\n"
-                                   "  dspine train configs/train/smollm2-ablation.yaml --data ... --time-limit-minutes 8")
-    t.add_argument("config", help="YAML training config (configs/train/*.yaml)")
+                                   "  dspine train dspine/train/configs/smollm2-dspine.yaml --data runs/data/smollm2.jsonl\n"
+                                   "  dspine train dspine/train/configs/smollm2-ablation.yaml --data ... --time-limit-minutes 8")
+    t.add_argument("config", help="YAML training config (dspine/train/configs/*.yaml)")
     t.add_argument("--data", help="JSONL from `dspine gen-data` (overrides the config)")
     t.add_argument("--run-dir", help="where state, log and the exported checkpoint go (overrides the config)")
     t.add_argument("--steps", type=int)
@@ -68,7 +69,7 @@ def add_command(sub) -> None:
 
     b = sub.add_parser("bench-accept", help="τ and per-position acceptance on the evaluation sets",
                        formatter_class=raw,
-                       description="Example:\n  dspine bench-accept --drafter dspine=checkpoints/dspine-smollm2-135m-instruct"
+                       description="Example:\n  dspine bench-accept --drafter dspine=dspine/checkpoints/dspine-smollm2-135m-instruct"
                                    " \\\n      --drafter ablation=runs/ablation/checkpoint --num-prompts 64\n"
                                    "One drafter per GPU, then one file:\n"
                                    "  CUDA_VISIBLE_DEVICES=1 dspine bench-accept --drafter ablation=... --out abl.json &\n"

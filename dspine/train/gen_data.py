@@ -2,7 +2,7 @@
 
 DSpine drafters learn to predict the *target's* continuations, so the training answers are the
 target's own (greedy by default): ShareGPT first turns plus synthetic code/math prompts, none of
-them from an evaluation set (`dspine.datasets.training_prompts`). Output: JSONL, one sequence per
+them from an evaluation set (`dspine.data.datasets.training_prompts`). Output: JSONL, one sequence per
 line, `{"id", "source", "ids": prompt+answer token ids, "answer_start": index of the first answer
 token}`; written to a temporary file and renamed, so an interrupted run leaves no partial file.
 
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from dspine.datasets import training_prompts
-from dspine.targets import chat_prompt_ids, load_target, load_tokenizer, stop_token_ids
+from dspine.data.datasets import training_prompts
+from dspine.engine.targets import chat_prompt_ids, load_target, load_tokenizer, stop_token_ids
 
 
 class GenDataError(RuntimeError):
@@ -37,7 +37,7 @@ class GenDataError(RuntimeError):
 @torch.no_grad()
 def generate_answers(target, tokenizer, prompts, *, max_prompt_tokens: int, max_new_tokens: int, batch_size: int,
                      temperature: float, seed: int, top_p: float = 1.0, top_k: int = 0, progress: bool = True):
-    """Yield sequence records for `prompts` (a list of `dspine.datasets.Prompt`). Greedy when
+    """Yield sequence records for `prompts` (a list of `dspine.data.datasets.Prompt`). Greedy when
     `temperature` is 0, else sampled with top-p (1 = off) and top-k (0 = off)."""
     from tqdm.auto import tqdm
 

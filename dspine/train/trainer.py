@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from dspine.checkpoint import save_checkpoint
-from dspine.config import DSpineConfig
-from dspine.drafter import DSpineDraftModel
+from dspine.model.checkpoint import save_checkpoint
+from dspine.model.config import DSpineConfig
+from dspine.model.drafter import DSpineDraftModel
 from dspine.train.blocks import BlockBatch, make_block_batch
-from dspine.transition import select_tokens
+from dspine.model.transition import select_tokens
 
 
 @dataclass
@@ -164,7 +164,7 @@ def _lr(step: int, cfg: TrainConfig) -> float:
 def build_training(cfg: TrainConfig, device: str) -> tuple[torch.nn.Module, DSpineDraftModel, torch.optim.Optimizer]:
     """`(frozen target, drafter in train mode attached to it, AdamW)` for `cfg` on `device`
     (bf16 target on CUDA, fp32 elsewhere)."""
-    from dspine.targets import load_target, mask_token_candidate
+    from dspine.engine.targets import load_target, mask_token_candidate
 
     target, tokenizer = load_target(cfg.target, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32,
                                     device=device)

@@ -1,6 +1,6 @@
-"""The hybrid GDN pair of scripts/make_hybrid_sglang_pair.py against SGLang's own code (CPU).
+"""The hybrid GDN pair of dspine/bench/hybrid_pair.py against SGLang's own code (CPU).
 
-What a GPU run of `scripts/bench_serving.py --model-path OUT/target --draft OUT/drafter --spec-flags
+What a GPU run of `dspine/bench/serving.py --model-path OUT/target --draft OUT/drafter --spec-flags
 "--enable-linear-replayssm-spec --linear-replayssm-cache-len 32"` would meet first, checked here:
 - the script: a missing tokenizer folder is named; the pair is deterministic; tokenizer files copied;
 - SGLang's config loading (`ModelConfig`, SGLang's own `Qwen3NextConfig`) reads the target as a
@@ -20,6 +20,7 @@ and `torch.get_device_module()` answering `torch.cpu` (the GDN layer asks it for
 """
 
 from __future__ import annotations
+import importlib
 
 import hashlib
 import importlib.metadata
@@ -37,18 +38,17 @@ except importlib.metadata.PackageNotFoundError:
                 allow_module_level=True)
 
 import torch  # noqa: E402
-from conftest import load_script  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from sglang_cpu import publish_args, single_process_groups  # noqa: E402
 
-from dspine import serving_presets  # noqa: E402
-from dspine.checkpoint import (  # noqa: E402
+from dspine.serve import presets as serving_presets  # noqa: E402
+from dspine.model.checkpoint import (  # noqa: E402
     IncompatibleTargetError,
     check_target_compatible,
     read_config,
 )
 from dspine.sglang import compat  # noqa: E402
-from dspine.sglang.rules import FlagError  # noqa: E402
+from dspine.serve.flags import FlagError  # noqa: E402
 
 VOCAB = 512
 SMALL = ["--hidden", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "64", "--linear-key-heads", "2",
@@ -81,7 +81,7 @@ def sha(path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def make_pair():
-    return load_script("make_hybrid_sglang_pair")
+    return importlib.import_module("dspine.bench.hybrid_pair")
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +116,8 @@ def resolve(argv: list[str]):
 
 
 def bench_dspine_flags(target: Path, drafter: Path, cache_len: int) -> list[str]:
-    """The DSPINE server's flags exactly as scripts/bench_serving.py builds them for the host run."""
-    bench = load_script("bench_serving")
+    """The DSPINE server's flags exactly as dspine/bench/serving.py builds them for the host run."""
+    bench = importlib.import_module("dspine.bench.serving")
     args = bench.parse_args(["--model-path", str(target), "--draft", str(drafter), "--configs", "AR,DSPINE",
                              "--extra-flags", HOST_EXTRA,
                              "--spec-flags", REPLAYSSM.format(cache_len)])

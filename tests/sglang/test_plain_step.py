@@ -4,7 +4,7 @@ returns in the DFlash format, that the width-1 backend is swapped in for the ste
 decode step to it when the switch says so.
 
 Runs inside `.venv-sglang`; skips where SGLang is absent. The step on a real server (graphs, an H200)
-is measured by scripts/bench_dynamic.py.
+is measured by dspine/bench/dynamic.py.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import torch  # noqa: E402
 from sglang.srt.speculative import dflash_worker_v2 as dflash  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
-from dspine.dynamic_verification import SpsCostTable  # noqa: E402
-from dspine.serving_switch import ServingSwitch, SwitchConfig  # noqa: E402
+from dspine.dynamic.verification import SpsCostTable  # noqa: E402
+from dspine.dynamic.switch import ServingSwitch, SwitchConfig  # noqa: E402
 from dspine.sglang import plain_step  # noqa: E402
-from dspine.sglang.worker import DSpineWorkerV2  # noqa: E402
+from dspine.sglang.dspine_worker_v2 import DSpineWorkerV2  # noqa: E402
 
 BLOCK, VOCAB, HIDDEN = 4, 11, 6
 
@@ -259,7 +259,7 @@ def test_worker_routes_decode_steps_by_the_switch(monkeypatch):
 def test_confidence_copies_reach_the_switch_in_order_once_landed():
     """Copies in flight stay queued; landed ones are observed oldest first (a later step's values win);
     the queue keeps at most MAX_PENDING_CONFIDENCE steps."""
-    from dspine.sglang import worker as worker_module
+    from dspine.sglang import dspine_worker_v2 as worker_module
 
     class Event:
         def __init__(self, done):

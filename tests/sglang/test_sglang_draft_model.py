@@ -13,7 +13,7 @@ What runs here, per installed SGLang (0.5.17 and 0.5.22 venvs):
   replaced by a plain attention over the context K/V that SGLang's model methods materialise
   (`project_target_hidden`, `kv_proj_only`, `apply_k_norm`, `apply_k_rope`, as the worker does);
 - token choice: the in-graph sampler (0.5.17), the eager fallback and the selector seam (0.5.20+;
-  on 0.5.22 through SGLang's own `_SelectorDraftSampler`) against `dspine.transition.select_tokens`;
+  on 0.5.22 through SGLang's own `_SelectorDraftSampler`) against `dspine.model.transition.select_tokens`;
 - the worker's target attach, transfer-table refresh and ReplaySSM commit routing on bare
   instances (a real `DFlashWorkerV2.__init__` needs a GPU).
 """
@@ -38,18 +38,18 @@ from safetensors import safe_open  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dspine import DSpineConfig  # noqa: E402
-from dspine import drafter as ref_drafter  # noqa: E402
-from dspine.checkpoint import (  # noqa: E402
+from dspine.model import drafter as ref_drafter  # noqa: E402
+from dspine.model.checkpoint import (  # noqa: E402
     MissingTensorsError,
     TensorMismatchError,
     UnexpectedTensorsError,
     load_checkpoint,
     save_checkpoint,
 )
-from dspine.config import ConfigError  # noqa: E402
+from dspine.model.config import ConfigError  # noqa: E402
 from dspine.kernels.adjacent_injection import adjacent_injection_reference  # noqa: E402
 from dspine.kernels.transition_select import transition_path_reference  # noqa: E402
-from dspine.transition import select_tokens  # noqa: E402
+from dspine.model.transition import select_tokens  # noqa: E402
 from sglang_cpu import publish_args, single_process_groups  # noqa: E402
 
 V, H, N, R, K, TARGET_LAYERS = 256, 64, 8, 16, 4, 6
@@ -544,7 +544,7 @@ def reference_tokens(ref, hidden_blocks, anchors, temperature, generator=None):
 def test_in_graph_sampler_equals_select_tokens(attached):
     """DSpineDraftSampler as SGLang 0.5.17's capture hook calls it: (hidden [n*N, H], input_ids [n*N]),
     graph batch 4 of which 3 rows are real."""
-    from dspine.sglang.worker import DSpineDraftSampler
+    from dspine.sglang.dspine_worker_v2 import DSpineDraftSampler
 
     model, ref = attached
     g = torch.Generator().manual_seed(6)
@@ -570,7 +570,7 @@ def test_the_triton_kernels_run_behind_the_same_seams(attached, monkeypatch):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py)")
-    from dspine.sglang.worker import DSpineDraftSampler
+    from dspine.sglang.dspine_worker_v2 import DSpineDraftSampler
 
     model, ref = attached
     g = torch.Generator().manual_seed(12)
@@ -650,7 +650,7 @@ def test_sglang_selector_sampler_runs_dspine_selection(attached):
 # ------------------------------------------------------------------------------------- worker
 def bare_worker(model, **attrs):
     """A DSpineWorkerV2 without DFlashWorkerV2.__init__ (that one builds GPU runners)."""
-    from dspine.sglang.worker import DSpineWorkerV2
+    from dspine.sglang.dspine_worker_v2 import DSpineWorkerV2
 
     worker = object.__new__(DSpineWorkerV2)
     worker.__dict__.update(draft_model=model, block_size=N, device=torch.device("cpu"), **attrs)
@@ -670,7 +670,7 @@ def target_worker_with(head, **config_changes):
 def test_worker_takes_any_constructor_signature():
     import inspect
 
-    from dspine.sglang.worker import DSpineWorkerV2
+    from dspine.sglang.dspine_worker_v2 import DSpineWorkerV2
 
     params = inspect.signature(DSpineWorkerV2.__init__).parameters
     assert [p.kind for p in params.values()][1:] == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
@@ -707,7 +707,7 @@ def test_worker_attaches_the_target_head_and_refreshes_the_table_when_serving(sg
 
 
 def test_worker_refuses_a_foreign_draft_and_a_wrong_target(sglang_env, ckpt, target_weights):
-    from dspine.checkpoint import IncompatibleTargetError
+    from dspine.model.checkpoint import IncompatibleTargetError
 
     target = target_worker_with(lm_head_layer(target_weights[1]))
     with pytest.raises(TypeError, match="DSpineDraftModel"):
@@ -725,7 +725,7 @@ def test_0517_token_choice_seams(attached, monkeypatch):
     the eager fallback reads the anchors from the block-id buffer; both equal select_tokens. Forced here
     in every version by pretending the seam is absent."""
     from dspine.sglang import compat
-    from dspine.sglang.worker import DSpineDraftSampler
+    from dspine.sglang.dspine_worker_v2 import DSpineDraftSampler
 
     model, ref = attached
     monkeypatch.setattr(compat, "has_selector_seam", lambda: False)

@@ -105,7 +105,7 @@ def test_build_disagg_draft_input_takes_any_signature(algo, monkeypatch):
 def test_worker_factory_imports_the_worker_lazily(algo):
     server_args = SimpleNamespace(disable_overlap_schedule=False)
     worker_cls = algo.create_worker(server_args)
-    assert worker_cls.__module__ == "dspine.sglang.worker" and worker_cls.__name__ == "DSpineWorkerV2"
+    assert worker_cls.__module__ == "dspine.sglang.dspine_worker_v2" and worker_cls.__name__ == "DSpineWorkerV2"
 
 
 def test_model_registry_resolves_the_draft_architecture(algo):

@@ -27,9 +27,9 @@ except importlib.metadata.PackageNotFoundError:
 from sglang.srt.plugins import load_plugins  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
-from dspine import serving_presets  # noqa: E402
+from dspine.serve import presets as serving_presets  # noqa: E402
 from dspine.sglang import compat  # noqa: E402
-from dspine.sglang.rules import FlagError  # noqa: E402
+from dspine.serve.flags import FlagError  # noqa: E402
 
 CPU = ["--device", "cpu", "--skip-tokenizer-init"]
 DENSE = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,

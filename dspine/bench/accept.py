@@ -1,0 +1,211 @@
+"""`dspine bench-accept`: τ and per-position acceptance of drafters on the evaluation sets.
+
+Runs the lossless reference engine (so the figures are real acceptance, not a teacher-forced
+estimate) on GSM8K, MATH-500, HumanEval, MBPP and held-out ShareGPT chat, at T=0 and T=1
+(top-p 0.95, top-k 20), for every `--drafter NAME=PATH`. Prints a table, writes the JSON schema of
+`benchmarks/results/acceptance_*.json` and a plot.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from dspine.model.checkpoint import load_checkpoint
+from dspine.data.datasets import EVAL_SETS, describe_prompt_sources, load_eval_set
+from dspine.engine.generate import generate
+from dspine.engine.targets import chat_prompt_ids, load_target, stop_token_ids
+
+TEMPERATURES = {0.0: dict(temperature=0.0), 1.0: dict(temperature=1.0, top_p=0.95, top_k=20)}
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def run_bench_accept(args) -> int:
+    if args.merge:
+        return merge_results([Path(f) for f in args.merge], Path(args.out))
+    if not args.drafter:
+        raise SystemExit("bench-accept: give at least one --drafter NAME=PATH (or --merge FILES)")
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    target, tokenizer = load_target(args.target, dtype=dtype, device=args.device)
+    drafters = {}
+    for spec in args.drafter:
+        name, _, path = spec.partition("=")
+        drafters[name] = load_checkpoint(path, target=target, device=args.device, dtype=dtype)
+        if args.injection_candidates and drafters[name].injections is not None:  # a runtime choice: no weights
+            drafters[name].config.injection_candidates = args.injection_candidates
+        if args.injection_top_k is not None:
+            if drafters[name].injections is None:
+                raise SystemExit(f"bench-accept --injection-top-k: drafter {name!r} has no injection (it was "
+                                 f"trained with injection=false)")
+            drafters[name].config.injection_top_k = args.injection_top_k
+            for module in drafters[name].injections:
+                module.top_k = args.injection_top_k
+        if args.selection == "transition" and drafters[name].transition is None:
+            raise SystemExit(f"bench-accept --selection transition: drafter {name!r} has no transition scorer "
+                             f"(it was trained with selection=argmax)")
+        if args.selection:
+            drafters[name].config.selection = args.selection
+        if args.transition_lambda is not None:
+            drafters[name].config.transition_lambda = args.transition_lambda
+    stops = stop_token_ids(tokenizer, target)
+    runs, parity = [], {name: {"prompts": 0, "identical": 0} for name in drafters}
+    for dataset in args.datasets:
+        prompts = load_eval_set(dataset, limit=args.num_prompts)
+        ids = [chat_prompt_ids(tokenizer, p.messages) for p in prompts]
+        common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=stops, seed=args.seed,
+                      batch_size=args.batch_size)
+        plain = generate(target, None, ids, **common).tokens if args.check_parity else None
+        for temp in args.temperatures:
+            for name, drafter in drafters.items():
+                res = generate(target, drafter, ids, **common, **TEMPERATURES[temp])
+                s = res.stats
+                runs.append({"method": name, "dataset": dataset, "temperature": temp, "n_prompts": len(ids),
+                             "tau": s.tau, "per_position_accept": s.per_position_accept,
+                             "tokens_per_s": s.tokens_per_s, "rounds": s.rounds})
+                if plain is not None and temp == 0.0:
+                    parity[name]["prompts"] += len(ids)
+                    parity[name]["identical"] += sum(a == b for a, b in zip(plain, res.tokens))
+                print(f"{name:10s} {dataset:17s} T={temp:.0f}  tau={s.tau:.3f}  "
+                      f"acc@1..4={' '.join(f'{a:.2f}' for a in s.per_position_accept[:4])}", flush=True)
+    result = {"target": args.target or "smollm2-135m-instruct",
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": device_name(args.device), "command": " ".join(shlex.quote(a) for a in sys.argv),
+              "torch": torch.__version__, "drafters": {k: v for k, v in (d.partition("=")[::2] for d in args.drafter)},
+              "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "prompt_sources": describe_prompt_sources(),
+              "summary": summarise(runs), "greedy_parity": parity if args.check_parity else None, "runs": runs}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(runs)
+    plot(runs, out.with_suffix(".png"))
+    return 0
+
+
+def merge_results(paths: list[Path], out: Path) -> int:
+    """Join result files of the same target and settings, measured by separate processes (e.g. one
+    drafter per GPU), into one: drafters, runs and greedy parity are united, the summary recomputed.
+    A drafter name found in two files, or files of different targets or settings, is an error."""
+    results = [json.loads(p.read_text()) for p in paths]
+    first = results[0]
+    for path, r in zip(paths[1:], results[1:]):
+        for key in ("target", "max_new_tokens", "dtype"):
+            if r.get(key) != first.get(key):
+                raise SystemExit(f"bench-accept --merge: {path} has {key}={r.get(key)!r}, "
+                                 f"{paths[0]} has {first.get(key)!r}; merge only runs of the same settings")
+    merged = dict(first, drafters={}, runs=[], greedy_parity={} if first.get("greedy_parity") is not None else None,
+                  command=" | ".join(r["command"] for r in results), merged_from=[str(p) for p in paths])
+    for path, r in zip(paths, results):
+        clash = set(r["drafters"]) & set(merged["drafters"])
+        if clash:
+            raise SystemExit(f"bench-accept --merge: drafter {sorted(clash)} appears twice (again in {path})")
+        merged["drafters"].update(r["drafters"])
+        merged["runs"].extend(r["runs"])
+        if merged["greedy_parity"] is not None:
+            merged["greedy_parity"].update(r.get("greedy_parity") or {})
+    merged["summary"] = summarise(merged["runs"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(merged, indent=2) + "\n")
+    print_table(merged["runs"])
+    plot(merged["runs"], out.with_suffix(".png"))
+    return 0
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Mean τ per method and temperature, and the DSpine/ablation ratio when both ran."""
+    out: dict = {}
+    for r in runs:
+        out.setdefault(f"T={r['temperature']:g}", {}).setdefault(r["method"], []).append(r["tau"])
+    summary = {}
+    for temp, methods in out.items():
+        summary[temp] = {m: sum(v) / len(v) for m, v in methods.items()}
+        if "dspine" in methods and "ablation" in methods:
+            summary[temp]["ratio_dspine_over_ablation"] = summary[temp]["dspine"] / summary[temp]["ablation"]
+    return summary
+
+
+def print_table(runs: list[dict]) -> None:
+    methods = sorted({r["method"] for r in runs})
+    print(f"\n{'dataset':17s} {'T':>3s} " + " ".join(f"{m:>10s}" for m in methods))
+    keys = sorted({(r["dataset"], r["temperature"]) for r in runs}, key=lambda k: (k[1], k[0]))
+    for ds, temp in keys:
+        vals = {r["method"]: r["tau"] for r in runs if r["dataset"] == ds and r["temperature"] == temp}
+        print(f"{ds:17s} {temp:3.0f} " + " ".join(f"{vals.get(m, float('nan')):10.3f}" for m in methods))
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    methods = sorted({r["method"] for r in runs})
+    temps = sorted({r["temperature"] for r in runs})
+    fig, axes = plt.subplots(1, len(temps) + 1, figsize=(6 * (len(temps) + 1), 4))
+    for ax, temp in zip(axes, temps):
+        datasets = [d for d in EVAL_SETS if any(r["dataset"] == d for r in runs)]
+        width = 0.8 / len(methods)
+        for i, m in enumerate(methods):
+            vals = [next((r["tau"] for r in runs if r["method"] == m and r["dataset"] == d
+                          and r["temperature"] == temp), 0) for d in datasets]
+            ax.bar([x + i * width for x in range(len(datasets))], vals, width, label=m)
+        ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(datasets))], datasets, rotation=20)
+        ax.set_ylabel("τ (tokens per round, bonus included)")
+        ax.set_title(f"τ per dataset, T={temp:g}")
+        ax.legend()
+    ax = axes[-1]
+    for m in methods:
+        for temp in temps:
+            rs = [r["per_position_accept"] for r in runs if r["method"] == m and r["temperature"] == temp]
+            if rs:
+                mean = [sum(x) / len(x) for x in zip(*rs)]
+                ax.plot(range(1, len(mean) + 1), mean, marker="o", label=f"{m} T={temp:g}")
+    ax.set_xlabel("block position")
+    ax.set_ylabel("acceptance rate (given verified)")
+    ax.set_title("acceptance by position (mean over datasets)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--drafter", action="append", metavar="NAME=PATH",
+                   help="a drafter to measure (repeatable), e.g. dspine=dspine/checkpoints/dspine-smollm2-135m-instruct")
+    p.add_argument("--target", default=None)
+    p.add_argument("--datasets", nargs="+", default=list(EVAL_SETS), choices=list(EVAL_SETS))
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0], choices=[0.0, 1.0])
+    p.add_argument("--num-prompts", type=int, default=64, help="prompts per dataset")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    p.add_argument("--injection-candidates", choices=["per_layer", "first_layer"], default=None,
+                   help="override how injecting drafters find candidates (default: as trained); first_layer "
+                        "scans the vocabulary once per round instead of once per layer")
+    p.add_argument("--injection-top-k", type=int, default=None, metavar="K",
+                   help="override how many candidates each injection mixes (default: as trained); measures how "
+                        "sensitive a trained drafter is to its injection top-k")
+    p.add_argument("--selection", choices=["argmax", "transition"], default=None,
+                   help="override how drafters pick their tokens (default: as trained); argmax on a DSpine "
+                        "drafter isolates what the transition selection adds")
+    p.add_argument("--transition-lambda", type=float, default=None,
+                   help="override the transition selection's pair-score weight (default: the checkpoint's)")
+    p.add_argument("--check-parity", action="store_true",
+                   help="also decode plainly at T=0 and count prompts whose speculative output is identical")
+    p.add_argument("--out", default="benchmarks/results/acceptance_smollm2.json")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="no measuring: join result files written by separate runs (e.g. one drafter per GPU) "
+                        "into --out, recompute the summary and redraw the plot")

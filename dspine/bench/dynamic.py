@@ -1,0 +1,366 @@
+"""Dynamic verification served: AR vs DSPINE-static vs DSPINE-dynamic on held-out trace replays.
+
+One SGLang server at a time (`bench_serving`'s launchers: `.gpu/host/serve.sh` on the GPU host, or
+`--url NAME=URL` for servers already running):
+
+* `AR`: the target alone;
+* `DSPINE-static`: `--speculative-algorithm DSPINE`, every decode step drafts a block;
+* `DSPINE-dynamic`: the same flags with `DSPINE_DYNAMIC=<--switch>` in the server's environment
+  (the speculation switch, `dspine.dynamic.switch`, tuned by `dspine tune-sps --plain-table` on the
+  traces' tune split);
+* `DSPINE-plain` (optional, a diagnostic): `DSPINE_SWITCH=plain DSPINE_PLAIN_TOKENS=<--plain-tokens>`,
+  every decode step plain: what a plain step costs against AR's.
+
+Workload: `--requests` (a JSONL of OpenAI chat requests, e.g. the held-out split written by
+`python -m dspine.data.traces heldout TRACES --out FILE`; never the split the switch was tuned on), cycled; at each
+concurrency max(--min-requests, --waves x c) requests, greedy (temperature 0), max_tokens capped,
+all with `return_meta_info`. Per level: output_tok_per_s = completion tokens / wall time;
+accept_len = completion tokens / spec_verify_ct (tokens per decode step, plain steps included; 1 for
+AR); mean_verify_tokens = verify tokens per request per decode step: N for a drafting step, 1 for a
+plain one (`meta_info.dspine_verify_tokens`, one entry per decode step under the switch). At concurrency 1 the
+token ids of every request are compared with AR's (`parity_c1`).
+
+Each level runs `--repeats` times on the same server and reports its median repeat, with every
+repeat's throughput (`levels[*].repeats_tok_per_s`): on the GPU host, levels of a few seconds vary
+by 10-40 % from run to run (three AR runs within 10 minutes, 2026-12-01). `--url NAME=URL` uses a
+server already running for config NAME (e.g. the plain-step server the switch's table was measured
+on) and starts the others.
+
+Writes `--out-dir/dynamic_h200.json` after every level (schema `RESULTS_SCHEMA`) and
+`dynamic_h200.png` (throughput ÷ AR against concurrency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.util
+import json
+import os
+import shlex
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ("AR", "DSPINE-static", "DSPINE-dynamic", "DSPINE-plain")
+RESULTS_NAME = "dynamic_h200"
+RESULTS_SCHEMA = {
+    "device": str, "date": str, "sglang": str, "command": str,
+    "runs": [{"algorithm": str, "concurrency": int, "output_tok_per_s": float, "mean_verify_tokens": float,
+              "accept_len": float}],
+}
+
+
+def _bench_serving():
+    """`dspine/bench/serving.py` (HTTP helpers, launchers, results writing), loaded from its file."""
+    if "bench_serving" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "scripts" / "bench_serving.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_serving"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_serving"]
+
+
+bs_mod = _bench_serving()
+
+
+def load_requests(path: Path, max_tokens: int) -> list[dict]:
+    """OpenAI chat request bodies, greedy, max_tokens capped at `max_tokens`."""
+    bodies = []
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            body = json.loads(line)
+        except ValueError as err:
+            raise bs_mod.BenchError(f"{path}:{line_no}: not JSON ({err})") from None
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            raise bs_mod.BenchError(f"{path}:{line_no}: an OpenAI chat request needs a `messages` list")
+        body = {k: v for k, v in body.items() if k not in ("stream", "n", "model")}
+        body.update(temperature=0, max_tokens=min(int(body.get("max_tokens") or max_tokens), max_tokens))
+        bodies.append(body)
+    if not bodies:
+        raise bs_mod.BenchError(f"{path}: no requests")
+    return bodies
+
+
+def send(base: str, body: dict, model: str, timeout: float, token_ids: bool) -> dict:
+    """One non-streamed chat completion with meta_info: completion tokens, verify steps, plain steps."""
+    extra = {"model": model, "return_meta_info": True, **({"return_token_ids": True} if token_ids else {})}
+    with bs_mod._post(f"{base}/v1/chat/completions", {**body, **extra}, timeout) as r:
+        payload = json.loads(r.read())
+    choice = (payload.get("choices") or [{}])[0]
+    meta = choice.get("meta_info") or {}
+    return {"tokens": bs_mod._completion_tokens(payload.get("usage"), base),
+            "verify_ct": int(meta.get("spec_verify_ct") or 0),
+            "verify_tokens": [int(v) for v in meta.get("dspine_verify_tokens") or []],
+            "token_ids": choice.get("token_ids")}
+
+
+def level_stats(replies: list[dict], wall: float, block: int) -> dict:
+    """Throughput, tokens per decode step and verify tokens per request-step of one level. A server
+    under the switch tags every decode step with its verify width (`dspine_verify_tokens`: N or 1); a
+    static one drafts every step (N); AR reports no speculative fields (1)."""
+    tokens = sum(r["tokens"] for r in replies)
+    steps = sum(r["verify_ct"] for r in replies)
+    widths = [w for r in replies for w in r["verify_tokens"]]
+    plain = sum(w == 1 for w in widths)
+    if steps == 0:
+        accept, verify = 1.0, 1.0
+    else:
+        accept, verify = tokens / steps, (sum(widths) / len(widths) if widths else float(block))
+    return {"output_tok_per_s": tokens / wall, "accept_len": accept, "mean_verify_tokens": verify,
+            "completion_tokens": tokens, "wall_s": wall, "decode_steps": steps or None,
+            "tagged_steps": len(widths), "plain_steps": plain}
+
+
+class ConfigLaunchers:
+    """`--url NAME=URL` servers for the configs it names (a bare `--url URL` serves all), serve.sh
+    starts for the others: one run can mix a server tuned beforehand with servers it starts."""
+
+    def __init__(self, args) -> None:
+        self.urls = bs_mod._launcher(args) if args.url else None
+        self.serve = bs_mod.ServeShLauncher(args.serve_script, args.port, args.out_dir)
+
+    def _for(self, name: str):
+        if self.urls is not None and (name in self.urls.urls or "*" in self.urls.urls):
+            return self.urls
+        return self.serve
+
+    def start(self, name: str, flags: list[str]) -> str:
+        return self._for(name).start(name, flags)
+
+    def stop(self, name: str) -> None:
+        self._for(name).stop(name)
+
+
+def median_level(levels: list[dict]) -> dict:
+    """The repeat with the median throughput (the lower middle one for an even count), plus every
+    repeat's throughput in `repeats_tok_per_s` (the run-to-run spread of one server)."""
+    ranked = sorted(levels, key=lambda level: level["output_tok_per_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "repeats_tok_per_s": [level["output_tok_per_s"] for level in levels]}
+
+
+def run_level(base: str, bodies: list[dict], c: int, args) -> tuple[dict, list[dict]]:
+    count = max(args.min_requests, args.waves * c)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=c) as pool:
+        replies = list(pool.map(lambda i: send(base, bodies[i % len(bodies)], args.served_model,
+                                               args.request_timeout, token_ids=c == 1), range(count)))
+    return {"concurrency": c, "requests": count, **level_stats(replies, time.perf_counter() - t0,
+                                                             args.num_draft_tokens)}, replies
+
+
+@contextlib.contextmanager
+def server_env(env: dict[str, str]):
+    """Environment variables for a server start (serve.sh passes its environment on)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def server_configs(args) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """(sglang flags, server environment) per config."""
+    common = ["--model-path", args.model_path, *shlex.split(args.extra_flags)]
+    spec = [*common, "--speculative-algorithm", "DSPINE", "--speculative-num-draft-tokens", str(args.num_draft_tokens),
+            "--speculative-draft-attention-backend", "triton", "--speculative-draft-model-path", args.draft]
+    configs = {"AR": (common, {}), "DSPINE-static": (spec, {}),
+               "DSPINE-dynamic": (spec, {"DSPINE_DYNAMIC": str(Path(args.switch).resolve())} if args.switch else None),
+               "DSPINE-plain": (spec, {"DSPINE_SWITCH": "plain", "DSPINE_PLAIN_TOKENS": str(args.plain_tokens)})}
+    chosen = {}
+    for name in args.configs:
+        flags, env = configs[name]
+        if env is None:
+            raise bs_mod.BenchError("DSPINE-dynamic needs --switch (the switch.json of `dspine tune-sps --plain-table`)")
+        chosen[name] = (flags, env)
+    return chosen
+
+
+def parity_c1(passes: dict[str, list[dict]]) -> dict:
+    """Per config: requests whose token ids equal AR's at concurrency 1, and the first differing
+    position of the others (no logprobs here: near-ties are judged by bench_serving's --prefill-check)."""
+    out = {}
+    ar = passes.get("AR")
+    for name, replies in passes.items():
+        if name == "AR" or ar is None:
+            continue
+        firsts = []
+        for a, b in zip(ar, replies):
+            x, y = a["token_ids"] or [], b["token_ids"] or []
+            firsts.append(next((i for i, (p, q) in enumerate(zip(x, y)) if p != q),
+                               None if len(x) == len(y) else min(len(x), len(y))))
+        out[name] = {"requests": len(firsts), "identical": sum(f is None for f in firsts),
+                     "first_difference": [f for f in firsts if f is not None]}
+    return out
+
+
+def speedups(runs: list[dict], ar: dict[int, float] | None = None) -> dict[str, list[tuple[int, float]]]:
+    """Per config: (concurrency, output tok/s ÷ AR's at that concurrency), sorted; AR from `runs`
+    unless given (e.g. the mean of several AR runs)."""
+    if ar is None:
+        ar = {r["concurrency"]: r["output_tok_per_s"] for r in runs if r["algorithm"] == "AR"}
+    out: dict[str, list[tuple[int, float]]] = {}
+    for r in runs:
+        if r["algorithm"] != "AR" and r["concurrency"] in ar:
+            out.setdefault(r["algorithm"], []).append((r["concurrency"], r["output_tok_per_s"] / ar[r["concurrency"]]))
+    return {name: sorted(points) for name, points in out.items()}
+
+
+def plot(results: dict, out_dir: Path) -> Path | None:
+    """Throughput ÷ AR against concurrency. With `ar_runs` (several AR runs of the host: {"runs": {name:
+    {c: tok/s}}, "mean": {c: tok/s}}) the ratios are taken against their mean and AR's own spread is
+    drawn as a grey band; `previous_runs` (earlier code, other hosts) are drawn thin and dashed; an
+    optional `label` names the main run in the legend, and plain-step lines carry their K (the switch
+    file's `plain_tokens`, 1 when absent)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    colours = dict(zip(CONFIGS[1:], ("tab:blue", "tab:orange", "tab:green")))
+    ar_runs = results.get("ar_runs")
+    mean = {int(c): v for c, v in ar_runs["mean"].items()} if ar_runs else None
+    if mean:
+        cs = sorted(mean)
+        runs = ar_runs["runs"].values()
+        ax.fill_between(cs, [min(r[str(c)] for r in runs) / mean[c] for c in cs],
+                        [max(r[str(c)] for r in runs) / mean[c] for c in cs], color="grey", alpha=0.2,
+                        label=f"AR, {len(ar_runs['runs'])} runs (spread)")
+    def named(name: str, block: dict, tag: str) -> str:
+        tokens = (block.get("switch") or {}).get("plain_tokens", 1)
+        k = f", K={tokens}" if name in ("DSPINE-plain", "DSPINE-dynamic") else ""
+        return f"{name} ({tag}{k})" if tag or k else name
+
+    for name, points in speedups(results["runs"], mean).items():
+        ax.plot([p[0] for p in points], [p[1] for p in points], "-", marker="o", color=colours.get(name),
+                label=named(name, results, results.get("label", "")))
+    for previous in results.get("previous_runs", []):
+        for name, points in speedups(previous["runs"]).items():
+            ax.plot([p[0] for p in points], [p[1] for p in points], "--", lw=0.8, alpha=0.6, marker=".",
+                    color=colours.get(name), label=named(name, previous, previous["label"].split(",")[0]))
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set(xscale="log", xlabel="concurrency", ylabel="output tok/s ÷ AR",
+           title=f"{Path(str(results.get('target', ''))).name or 'target'}: speculation vs AR ({results['device']})")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = out_dir / f"{RESULTS_NAME}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=Path, help="held-out OpenAI chat requests (JSONL)")
+    p.add_argument("--switch", default=None, help="switch.json for DSPINE-dynamic (dspine tune-sps --plain-table)")
+    p.add_argument("--plain-tokens", type=int, default=1,
+                   help="DSPINE-plain: target tokens per plain step (DSPINE_PLAIN_TOKENS; use the switch file's)")
+    p.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS[:3]),
+                   help="comma-separated subset of " + ",".join(CONFIGS))
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64, 128])
+    p.add_argument("--min-requests", type=int, default=32)
+    p.add_argument("--waves", type=int, default=2, help="each level sends at least waves x concurrency requests")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="run each level this many times on the same server; report the median repeat (levels "
+                        "of a few seconds vary by 10-40 %% from run to run on the GPU host)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--model-path", default=os.environ.get("SMOLLM2", "HuggingFaceTB/SmolLM2-135M-Instruct"))
+    p.add_argument("--draft", default="dspine/checkpoints/dspine-smollm2-135m-instruct")
+    p.add_argument("--num-draft-tokens", type=int, default=16)
+    p.add_argument("--extra-flags", default="--cuda-graph-max-bs-decode 128 --max-running-requests 128",
+                   help="sglang flags for every config (serve.sh adds its base flags)")
+    p.add_argument("--served-model", default="default")
+    p.add_argument("--url", action="append", default=[],
+                   help="NAME=URL of a running server for config NAME (the others are started with --serve-script)")
+    p.add_argument("--serve-script", type=Path, default=Path(".gpu/host/serve.sh"))
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--device", default="NVIDIA H200")
+    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--plot-only", action="store_true", help="redraw dynamic_h200.png from the JSON in --out-dir")
+    args = p.parse_args(argv)
+    if args.requests is None and not args.plot_only:
+        p.error("--requests FILE is required (a held-out workload: python -m dspine.data.traces heldout TRACES --out FILE)")
+    unknown = set(args.configs) - set(CONFIGS)
+    if unknown:
+        p.error(f"unknown config(s) {sorted(unknown)}; choose from {CONFIGS}")
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.plot_only:
+        print(plot(json.loads((args.out_dir / f"{RESULTS_NAME}.json").read_text()), args.out_dir))
+        return 0
+    bodies = load_requests(args.requests, args.max_tokens)
+    configs = server_configs(args)
+    launcher = ConfigLaunchers(args)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    results = {"device": args.device, "date": datetime.date.today().isoformat(), "sglang": "unknown",
+               "command": shlex.join([sys.argv[0], *sys.argv[1:]]), "target": args.model_path, "drafter": args.draft,
+               "requests": {"file": str(args.requests), "count": len(bodies), "max_tokens": args.max_tokens},
+               "switch": json.loads(Path(args.switch).read_text()) if args.switch else None,
+               "runs": [], "levels": [], "configs": {}, "errors": []}
+    passes: dict[str, list[dict]] = {}
+    for name, (flags, env) in configs.items():
+        results["configs"][name] = {"flags": flags, "env": env}
+        try:
+            with server_env(env):
+                base = launcher.start(name, flags)
+            info = bs_mod._get_json(f"{base}/server_info") or {}
+            results["sglang"] = info.get("version") or results["sglang"]
+            send(base, bodies[0], args.served_model, args.request_timeout, token_ids=False)   # warm-up
+            for c in args.concurrency:
+                repeats = [run_level(base, bodies, c, args) for _ in range(args.repeats)]
+                level = median_level([rep[0] for rep in repeats])
+                if c == 1:
+                    passes[name] = repeats[0][1]
+                results["levels"].append({"algorithm": name, **level})
+                results["runs"].append({"algorithm": name, "concurrency": c,
+                                        **{k: level[k] for k in ("output_tok_per_s", "mean_verify_tokens",
+                                                                 "accept_len")}})
+                results["parity_c1"] = parity_c1(passes)
+                bs_mod.write_results(results, args.out_dir, RESULTS_NAME)
+                spread = "/".join(f"{x:.0f}" for x in level["repeats_tok_per_s"])
+                print(f"[{name}] c={c}: {level['output_tok_per_s']:.0f} tok/s (repeats {spread}), "
+                      f"{level['accept_len']:.2f} tokens/step, {level['mean_verify_tokens']:.2f} verify "
+                      f"tokens/request-step, {level['wall_s']:.1f} s", flush=True)
+        except (bs_mod.BenchError, OSError) as err:
+            results["errors"].append(f"{name}: {err}")
+            print(f"[{name}] FAILED: {err}", flush=True)
+        finally:
+            launcher.stop(name)
+    results["speedup_vs_ar"] = {name: {str(c): round(x, 3) for c, x in points}
+                                for name, points in speedups(results["runs"]).items()}
+    path = bs_mod.write_results(results, args.out_dir, RESULTS_NAME)
+    plot(results, args.out_dir)
+    ar = {r["concurrency"]: r["output_tok_per_s"] for r in results["runs"] if r["algorithm"] == "AR"}
+    print(f"{'config':<16}" + "".join(f"{'c=' + str(c):>10}" for c in args.concurrency) + "   (÷ AR)")
+    for name in configs:
+        row = {r["concurrency"]: r["output_tok_per_s"] for r in results["runs"] if r["algorithm"] == name}
+        print(f"{name:<16}" + "".join(f"{row[c] / ar[c]:>10.3f}" if c in row and c in ar else f"{'-':>10}"
+                                      for c in args.concurrency))
+    print(f"wrote {path}")
+    if results["errors"]:
+        print("errors:\n  " + "\n  ".join(results["errors"]), file=sys.stderr)
+        return 1
+    bs_mod.check_schema(results, RESULTS_SCHEMA)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Prompts and traces: evaluation sets, training prompt sources and request traces."""

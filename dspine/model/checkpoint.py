@@ -1,0 +1,283 @@
+"""DSpine checkpoints: a Hugging Face-style directory, validated strictly.
+
+Layout: `config.json` (`architectures: ["DSpineDraftModel"]`, Qwen3-style top-level shape keys so
+transformers and SGLang parse it, and a `dspine_config` block holding every `DSpineConfig` field)
+plus `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` with
+`model.safetensors.index.json` when larger than `max_shard_bytes`. A checkpoint resolves from a
+local directory or a hub id (`huggingface_hub.snapshot_download`, local cache first).
+
+Saving writes into a temporary sibling directory and renames it into place, so an interrupted
+save leaves nothing half-written. Loading checks the config, then every tensor name, dtype and
+shape, then the target's compatibility, and raises a `CheckpointError` subclass naming the field
+and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dspine import env
+from dspine.model.config import ConfigError, DSpineConfig
+from dspine.model.drafter import DSpineDraftModel
+
+ARCHITECTURE = "DSpineDraftModel"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A drafter checkpoint cannot be used; the message names the problem and the fix."""
+
+
+class MissingTensorsError(CheckpointError):
+    pass
+
+
+class UnexpectedTensorsError(CheckpointError):
+    pass
+
+
+class TensorMismatchError(CheckpointError):
+    """A tensor's dtype or shape differs from what the config implies."""
+
+
+class IncompatibleTargetError(CheckpointError):
+    """The drafter was built for a different target (vocab, hidden size, layers, mask id)."""
+
+
+def save_checkpoint(model: DSpineDraftModel, path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
+                    max_shard_bytes: int = 2 << 30, extra_config: dict | None = None) -> Path:
+    """Write `model` to directory `path` (replaced atomically if it exists). Returns the path."""
+    path = Path(path)
+    dtype_name = {v: k for k, v in DTYPES.items()}[dtype]
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(hf_config(model.config, dtype_name, extra_config), indent=2) + "\n")
+        shards = _split(state, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / SINGLE_FILE), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / name), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, name))
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                     indent=2) + "\n")
+        install_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def install_dir(tmp: Path, path: Path) -> None:
+    """Move the finished directory `tmp` to `path` (a sibling), replacing what is there: renames
+    only, so `path` never holds a half-written tree."""
+    if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, path)
+
+
+def hf_config(cfg: DSpineConfig, dtype_name: str, extra: dict | None = None) -> dict:
+    """config.json contents: Qwen3-style shape keys (for transformers/SGLang), the `dflash_config`
+    mirror SGLang reads, and `dspine_config` (the source of truth)."""
+    data = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype_name,
+        "block_size": cfg.block_size,
+        "dflash_config": dflash_config_for(cfg),
+        "dspine_config": cfg.to_dict(),
+    }
+    data.update(extra or {})
+    return data
+
+
+def dflash_config_for(cfg: DSpineConfig) -> dict:
+    """The `dflash_config` mirror SGLang's DFlash machinery reads (target-layer capture, `fc` width,
+    mask id, block size); `dspine_config` stays the source of truth."""
+    return {"block_size": cfg.block_size, "target_layer_ids": list(cfg.target_layer_ids),
+            "num_target_layers": cfg.num_target_layers, "mask_token_id": cfg.mask_token_id}
+
+
+def _split(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards, current, size = [], {}, 0
+    for name in sorted(state):
+        t = state[name]
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name], size = t, size + nbytes
+    shards.append(current)
+    return shards
+
+
+DEFAULT_DRAFTER_NAME = "dspine-smollm2-135m-instruct"
+
+
+def default_drafter_dir() -> Path:
+    """The drafter for the default target: `$DSPINE_DEFAULT_DRAFTER`, else the one inside the package
+    (`dspine/checkpoints/dspine-smollm2-135m-instruct`, installed with the wheel). Raises
+    `CheckpointError` naming the fix when neither holds a config: never falls back to random weights."""
+    override = env.DSPINE_DEFAULT_DRAFTER.get()
+    path = override or Path(str(importlib.resources.files("dspine") / "checkpoints" / DEFAULT_DRAFTER_NAME))
+    if not (path / "config.json").is_file():
+        where = "DSPINE_DEFAULT_DRAFTER" if override else "the installed package"
+        raise CheckpointError(f"the default drafter is missing: {path} (from {where}) has no config.json. Fix: "
+                              "reinstall dspine from a wheel or checkout that ships dspine/checkpoints/, point "
+                              "DSPINE_DEFAULT_DRAFTER at a checkpoint folder, or pass --drafter PATH "
+                              "(`--drafter random` for a random drafter).")
+    return path
+
+
+def resolve_checkpoint_dir(path_or_id: str | os.PathLike) -> Path:
+    """A local directory as is; otherwise a hub id fetched through huggingface_hub."""
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"{path} is a file: pass the checkpoint directory that holds config.json")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(path_or_id), allow_patterns=["*.json", "*.safetensors", "*.md"]))
+    except Exception as exc:  # offline, unknown repo, no access: all end here
+        raise CheckpointError(f"drafter checkpoint {str(path_or_id)!r} is neither a local directory nor a reachable "
+                              f"hub repo ({type(exc).__name__}: {exc}). Pass a local checkpoint directory (`dspine info` "
+                              f"shows where the packaged default drafter lies).") from exc
+
+
+def read_config(ckpt_dir: Path) -> DSpineConfig:
+    cfg_file = ckpt_dir / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{ckpt_dir} has no config.json: not a DSpine checkpoint directory")
+    try:
+        data = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{cfg_file} is not valid JSON (line {exc.lineno}): {exc.msg}") from exc
+    arch = data.get("architectures") or []
+    if ARCHITECTURE not in arch:
+        raise CheckpointError(f"{cfg_file}: architectures = {arch}, expected [\"{ARCHITECTURE}\"]. This is not a "
+                              f"DSpine drafter (a DFlash/EAGLE checkpoint needs its own loader).")
+    if "dspine_config" not in data:
+        raise CheckpointError(f"{cfg_file} has no `dspine_config` block: re-save the drafter with dspine")
+    try:
+        return DSpineConfig.from_dict(data["dspine_config"])
+    except (ConfigError, TypeError) as exc:
+        raise CheckpointError(f"{cfg_file}: {exc}") from exc
+
+
+def _tensor_files(ckpt_dir: Path) -> dict[str, Path]:
+    """tensor name -> file holding it."""
+    index = ckpt_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {name: ckpt_dir / f for name, f in weight_map.items()}
+        absent = sorted({str(f.name) for f in files.values() if not f.is_file()})
+        if absent:
+            raise CheckpointError(f"{ckpt_dir}: shards {absent} listed in {INDEX_FILE} are missing; re-download "
+                                  f"or re-save the checkpoint")
+        return files
+    single = ckpt_dir / SINGLE_FILE
+    if not single.is_file():
+        raise CheckpointError(f"{ckpt_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def load_checkpoint(path_or_id: str | os.PathLike, *, target=None, device: torch.device | str = "cpu",
+                    dtype: torch.dtype | None = None) -> DSpineDraftModel:
+    """Load a drafter; with `target` (a transformers causal LM) validate and attach it.
+
+    dtype: compute dtype (default: the checkpoint's). Raises `CheckpointError` subclasses.
+    """
+    ckpt_dir = resolve_checkpoint_dir(path_or_id)
+    cfg = read_config(ckpt_dir)
+    if target is not None:
+        check_target_compatible(cfg, target.config)
+    saved_dtype = DTYPES.get(json.loads((ckpt_dir / "config.json").read_text()).get("torch_dtype", "float32"),
+                             torch.float32)
+    model = DSpineDraftModel(cfg)
+    expected = model.state_dict()
+    files = _tensor_files(ckpt_dir)
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        raise MissingTensorsError(f"{ckpt_dir}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}. "
+                                  f"The checkpoint does not match its own dspine_config (e.g. saved with "
+                                  f"injection=False but config says True): fix the config or re-save.")
+    unexpected = sorted(set(files) - set(expected))
+    if unexpected:
+        raise UnexpectedTensorsError(f"{ckpt_dir}: unexpected tensors {unexpected[:8]}"
+                                     f"{' ...' if len(unexpected) > 8 else ''}: the weights belong to a different "
+                                     f"drafter layout than its dspine_config describes")
+    state = {}
+    for file in sorted(set(files.values())):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                want = expected[name]
+                if tuple(t.shape) != tuple(want.shape):
+                    raise TensorMismatchError(f"{ckpt_dir}: tensor {name} has shape {tuple(t.shape)}, the config "
+                                              f"implies {tuple(want.shape)}")
+                if t.dtype != saved_dtype:
+                    raise TensorMismatchError(f"{ckpt_dir}: tensor {name} is {t.dtype}, config.json torch_dtype says "
+                                              f"{saved_dtype}: re-save the checkpoint in one dtype")
+                state[name] = t
+    model.load_state_dict(state, strict=True)
+    model.to(device=device, dtype=dtype or saved_dtype).eval()
+    if target is not None:
+        model.attach_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    return model
+
+
+def check_target_compatible(cfg: DSpineConfig, target_config) -> None:
+    """Raise `IncompatibleTargetError` naming the first field that does not match the target."""
+    tc = target_config
+    checks = [
+        ("vocab_size", cfg.vocab_size, tc.vocab_size),
+        ("hidden_size", cfg.hidden_size, tc.hidden_size),
+        ("num_target_layers", cfg.num_target_layers, tc.num_hidden_layers),
+    ]
+    for name, ours, theirs in checks:
+        if ours != theirs:
+            raise IncompatibleTargetError(f"dspine_config.{name} = {ours} but the target has {theirs}: this drafter "
+                                          f"was trained for another target; train one for this target "
+                                          f"(`dspine train`) or load the matching target")
+    bad = [i for i in cfg.target_layer_ids if i >= tc.num_hidden_layers]
+    if bad:
+        raise IncompatibleTargetError(f"dspine_config.target_layer_ids {bad} exceed the target's "
+                                      f"{tc.num_hidden_layers} layers")
+    if cfg.mask_token_id >= tc.vocab_size:
+        raise IncompatibleTargetError(f"dspine_config.mask_token_id = {cfg.mask_token_id} is outside the target "
+                                      f"vocabulary ({tc.vocab_size})")

@@ -1,0 +1,104 @@
+"""Qwen3/Llama-style building blocks of the draft decoder layers.
+
+A draft layer's queries are the block positions; its keys/values are the (windowed) target
+context followed by the block itself. Context keys/values come from the projected target hidden
+states through the same `k_proj`/`v_proj` (DFlash's `kv_proj_only` path), so they can be cached
+once per verified token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dspine.model.config import DSpineConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def apply_rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """Rotate-half RoPE. x: [bs, heads, T, d]; positions: [bs, T] absolute token positions."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [bs, T, d/2]
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None].to(x.dtype)  # [bs, 1, T, d]
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[:, None].to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class DraftAttention(nn.Module):
+    """GQA attention with per-head q/k RMSNorm (Qwen3). Queries: block; keys: context + block."""
+
+    def __init__(self, cfg: DSpineConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.rope_theta = cfg.rope_theta
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def key_values(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """x: [bs, T, H], positions: [bs, T] -> (k, v) each [bs, kv_heads, T, head_dim], k rotated."""
+        bs, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(bs, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(bs, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, positions, self.rope_theta), v
+
+    def forward(self, x: Tensor, positions: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor) -> Tensor:
+        """x: [bs, Q, H] block queries (already normed); ctx_k/ctx_v: [bs, kv_heads, Lc, d];
+        mask: [bs, Q, Lc + Q] bool, True where a query may attend. Returns [bs, Q, H]."""
+        bs, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(bs, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, positions, self.rope_theta)
+        k_blk, v_blk = self.key_values(x, positions)
+        k = torch.cat([ctx_k.to(k_blk.dtype), k_blk], dim=2)
+        v = torch.cat([ctx_v.to(v_blk.dtype), v_blk], dim=2)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        return self.o_proj(out.transpose(1, 2).reshape(bs, q_len, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftDecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP, residual around each."""
+
+    def __init__(self, cfg: DSpineConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: Tensor, positions: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))

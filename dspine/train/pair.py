@@ -1,0 +1,128 @@
+"""Train the DSpine drafter and its DFlash-style ablation with the same data, steps and seed.
+
+The step count is what the DSpine drafter reaches in `--dspine-seconds` (measured with a short
+probe run), so one device call of at most 10 minutes can hold a training run; the ablation then
+trains for exactly as many steps in a later call. Each phase copies its log and, when done, its
+exported checkpoint to `--out-dir`.
+
+  python dspine/train/pair.py probe-and-train-dspine --data D --work W --out-dir O --dspine-seconds 300
+  python dspine/train/pair.py train-ablation --data D --work W --out-dir O [--steps N]
+
+With a fixed step count both can train at once, one process each (resumable, `--time-limit`):
+
+  python dspine/train/pair.py train-dspine --steps N --data D --work W --out-dir O --time-limit 540 &
+  python dspine/train/pair.py train-ablation --steps N --data D --work W --out-dir O --time-limit 540
+
+A DSpine variant against the same ablation (same data, steps, seed; only the named fields differ),
+e.g. a wider injection, writes train_log_dspine-top16.json and ckpt_dspine-top16:
+
+  python dspine/train/pair.py train-dspine --steps N ... --variant top16 --drafter-set injection_top_k=16
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dspine.train.trainer import TrainConfig, train
+
+CONFIGS = {"dspine": "dspine/train/configs/smollm2-dspine.yaml", "ablation": "dspine/train/configs/smollm2-ablation.yaml"}
+
+
+def drafter_settings(pairs: list[str]) -> dict:
+    """`KEY=JSON` strings -> {KEY: value} for the drafter block, e.g. layer_loss_weights=[0.5,0.4,0.3,0.2,0.1]."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--drafter-set {pair!r}: expected KEY=JSON, e.g. injection_top_k=16")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--drafter-set {pair!r}: the value is not JSON ({e}); quote strings: "
+                             f'selection="argmax"') from None
+    return out
+
+
+def build_config(name: str, args, steps: int) -> tuple[str, TrainConfig]:
+    """(run name, config): the DSpine run takes `--variant`/`--drafter-set` (a variant trains in
+    WORK/dspine-VARIANT and reports as dspine-VARIANT, beside the unchanged pair)."""
+    run = f"{name}-{args.variant}" if args.variant else name
+    cfg = TrainConfig.from_yaml(CONFIGS[name], data=args.data, run_dir=str(Path(args.work) / run), steps=steps)
+    cfg.drafter.update(drafter_settings(args.drafter_set))
+    return run, cfg
+
+
+def _run(name: str, args, steps: int) -> Path | None:
+    name, cfg = build_config(name, args, steps)
+    t0 = time.perf_counter()
+    export = train(cfg, device="cuda", time_limit_s=args.time_limit, progress=False)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log = json.loads((Path(cfg.run_dir) / "log.json").read_text())
+    record = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                  timespec="seconds"), "command": " ".join(sys.argv), "torch": torch.__version__,
+              "config": vars(cfg), "wall_seconds": time.perf_counter() - t0, "log": log}
+    (out / f"train_log_{name}.json").write_text(json.dumps(record, indent=1))
+    if export is not None:  # the ablation's weights come back too, for serving; they stay out of git
+        dest = out / f"ckpt_{name}"
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(export, dest)
+    return export
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("phase", choices=["probe-and-train-dspine", "train-dspine", "train-ablation"])
+    p.add_argument("--data", required=True)
+    p.add_argument("--work", required=True)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--dspine-seconds", type=float, default=300)
+    p.add_argument("--max-steps", type=int, default=3000)
+    p.add_argument("--time-limit", type=float, default=None, help="hard stop (s); the run resumes when re-run")
+    p.add_argument("--variant", default=None,
+                   help="train-dspine: name of a variant run (e.g. top16), kept apart from the pair's")
+    p.add_argument("--drafter-set", action="append", default=[], metavar="KEY=JSON",
+                   help="train-dspine with --variant: override a drafter config field (repeatable), e.g. "
+                        "injection_top_k=16 or transfer_rank=128")
+    p.add_argument("--steps", type=int, default=None,
+                   help="train-dspine: required; train-ablation: the DSpine run's step count (default: the "
+                        "probe's, from --work/steps.json)")
+    args = p.parse_args(argv)
+    if (args.variant or args.drafter_set) and args.phase != "train-dspine":
+        p.error("--variant and --drafter-set belong to train-dspine (the ablation and the probe stay as configured)")
+    if args.drafter_set and not args.variant:
+        p.error("--drafter-set needs --variant NAME, so the changed drafter does not overwrite the pair's")
+    steps_file = Path(args.work) / "steps.json"
+    if args.phase == "probe-and-train-dspine":
+        probe = TrainConfig.from_yaml(CONFIGS["dspine"], data=args.data, run_dir=str(Path(args.work) / "probe"),
+                                      steps=25, log_every=5, eval_every=1000, save_every=1000)
+        train(probe, device="cuda", progress=False)
+        log = json.loads((Path(probe.run_dir) / "log.json").read_text())
+        step_s = sorted(e["step_seconds"] for e in log[1:])[len(log[1:]) // 2]
+        steps = int(min(args.max_steps, args.dspine_seconds / (step_s * 1.12)))  # 12%: held-out evals, saves
+        steps_file.write_text(json.dumps({"steps": steps, "probe_step_seconds": step_s}))
+        print(f"probe: {step_s:.3f} s/step -> {steps} steps", flush=True)
+        torch.cuda.empty_cache()
+        _run("dspine", args, steps)
+    elif args.phase == "train-dspine":
+        if args.steps is None:
+            p.error("train-dspine needs --steps (probe-and-train-dspine picks them from a timed probe)")
+        _run("dspine", args, args.steps)
+    else:
+        if args.steps is None and not steps_file.is_file():
+            p.error(f"{steps_file} is missing (the probe ran on another host?): pass --steps, the DSpine run's count")
+        steps = args.steps if args.steps is not None else json.loads(steps_file.read_text())["steps"]
+        _run("ablation", args, steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
