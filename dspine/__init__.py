@@ -5,7 +5,7 @@ acceptance, and the reference engine `generate`.
 """
 
 from dspine.model.config import ConfigError, DSpineConfig
-from dspine.model.drafter import DSpineDraftModel
+from dspine.model.drafter import DSpineDrafter
 from dspine.engine.generate import GenerationResult, GenerationStats, generate
 
 __all__ = ["ConfigError", "DSpineConfig", "DSpineDraftModel", "GenerationResult", "GenerationStats", "generate"]

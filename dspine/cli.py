@@ -36,12 +36,12 @@ def load_drafter_arg(spec: str, target, tokenizer, device: str, dtype):
         import torch
 
         from dspine.model.config import DSpineConfig
-        from dspine.model.drafter import DSpineDraftModel
+        from dspine.model.drafter import DSpineDrafter
         from dspine.engine.targets import mask_token_candidate
 
         torch.manual_seed(0)
         cfg = DSpineConfig.for_target(target.config, mask_token_id=mask_token_candidate(tokenizer))
-        model = DSpineDraftModel(cfg).to(device=device, dtype=dtype).eval()
+        model = DSpineDrafter(cfg).to(device=device, dtype=dtype).eval()
         model.attach_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
         return model
     return load_checkpoint(spec, target=target, device=device, dtype=dtype)

@@ -16,7 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from dspine import DSpineConfig, DSpineDraftModel  # noqa: E402
+from dspine import DSpineConfig, DSpineDrafter  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
@@ -68,14 +68,14 @@ def tiny_qwen3(vocab: int = 256, hidden: int = 64, layers: int = 6, seed: int = 
     return Qwen3ForCausalLM(cfg).eval().requires_grad_(False)
 
 
-def drafter_for(target, seed: int = 0, **overrides) -> DSpineDraftModel:
+def drafter_for(target, seed: int = 0, **overrides) -> DSpineDrafter:
     """A random DSpine drafter shaped for `target`, attached to it."""
     torch.manual_seed(seed)
     opts = dict(transfer_rank=16, sliding_window=64, injection_top_k=4, selection_top_k=4, successor_table_size=8,
                 mask_token_id=3)
     opts.update(overrides)
     cfg = DSpineConfig.for_target(target.config, **opts)
-    model = DSpineDraftModel(cfg).eval()
+    model = DSpineDrafter(cfg).eval()
     model.attach_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     return model
 

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 from dspine.model.config import DSpineConfig  # noqa: E402
-from dspine.model.drafter import DSpineDraftModel  # noqa: E402
+from dspine.model.drafter import DSpineDrafter  # noqa: E402
 from dspine.kernels.adjacent_injection import (  # noqa: E402
     adjacent_injection,
     adjacent_injection_reference,
@@ -171,7 +171,7 @@ def _tiny_drafter(seed=0, candidates="per_layer"):
                        layer_loss_weights=[0.5, 0.4] if candidates == "per_layer" else [0.5, 0.4, 0.3], block_size=8,
                        transfer_rank=32, injection_top_k=4, selection_top_k=4, sliding_window=64,
                        injection_candidates=candidates)
-    model = DSpineDraftModel(cfg).eval()
+    model = DSpineDrafter(cfg).eval()
     with torch.no_grad():  # spread the transfer scores: larger P and W_s than the training init
         model.transfer.proj.weight.normal_(std=0.5)
         model.transition.weight.normal_(std=0.1)
@@ -314,7 +314,7 @@ def test_first_layer_drafter_uses_the_fused_later_layer_and_matches_the_referenc
                        intermediate_size=64, num_target_layers=4, mask_token_id=0, num_hidden_layers=5,
                        block_size=8, transfer_rank=16, injection_top_k=4, selection_top_k=4, sliding_window=64,
                        injection_candidates="first_layer")
-    model = DSpineDraftModel(cfg).eval()
+    model = DSpineDrafter(cfg).eval()
     model.attach_target(torch.randn(300, 32), torch.randn(300, 32))
     h = torch.randn(2, 8, 32)
     anchors = torch.randint(0, 300, (2,))

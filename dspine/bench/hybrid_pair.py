@@ -253,7 +253,7 @@ def write_target(out: Path, cfg: dict, weights: dict[str, torch.Tensor], tok_dir
 
 def write_drafter(out: Path, cfg: dict, args: argparse.Namespace):
     """A random DSpine drafter for `cfg`, checked against it, saved with dspine's checkpoint writer."""
-    from dspine import DSpineConfig, DSpineDraftModel
+    from dspine import DSpineConfig, DSpineDrafter
     from dspine.model.checkpoint import check_target_compatible, save_checkpoint
 
     target = SimpleNamespace(**cfg)
@@ -261,7 +261,7 @@ def write_drafter(out: Path, cfg: dict, args: argparse.Namespace):
                                    intermediate_size=args.intermediate)
     check_target_compatible(dcfg, target)
     torch.manual_seed(args.seed + 1)
-    model = DSpineDraftModel(dcfg).eval()
+    model = DSpineDrafter(dcfg).eval()
     with torch.no_grad():
         model.mask_embedding.normal_(0, 0.02)  # not all-zero: the mask slots get a real input
     save_checkpoint(model, out, dtype=torch.bfloat16,

@@ -81,7 +81,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from dspine.model.config import DSpineConfig  # noqa: E402
-from dspine.model.drafter import DSpineDraftModel  # noqa: E402
+from dspine.model.drafter import DSpineDrafter  # noqa: E402
 from dspine.kernels.adjacent_injection import (  # noqa: E402
     InjectionBlocks,
     adjacent_injection,
@@ -738,7 +738,7 @@ class Round:
         cfg = drafter_config(shape, **({"injection": False, "selection": "argmax"} if ablation
                                        else {"injection_candidates": candidates}))
         with torch.device(DEVICE):
-            self.model = DSpineDraftModel(cfg).to(DTYPE).eval()
+            self.model = DSpineDrafter(cfg).to(DTYPE).eval()
         with torch.no_grad():  # no all-zero parameters in what we time
             self.model.mask_embedding.normal_()
             if self.model.transition is not None:

@@ -310,7 +310,7 @@ def pad_target_dir(src: Path, dst: Path, tp: int = 2) -> dict:
 def pad_drafter_dir(src: Path, dst: Path, tp: int = 2) -> dict:
     """Write the padded copy of the DSpine checkpoint `src` to the new directory `dst`.
 
-    Loads it with `load_checkpoint` (strict: names, shapes, dtype), builds a `DSpineDraftModel` with
+    Loads it with `load_checkpoint` (strict: names, shapes, dtype), builds a `DSpineDrafter` with
     the padded config, loads the padded weights strictly and saves with `save_checkpoint` in the
     source dtype, with the source's shard size and extra config keys (e.g. `dspine_training`).
     Returns a summary for printing.
@@ -321,7 +321,7 @@ def pad_drafter_dir(src: Path, dst: Path, tp: int = 2) -> dict:
         read_config,
         save_checkpoint,
     )
-    from dspine.model.drafter import DSpineDraftModel
+    from dspine.model.drafter import DSpineDrafter
 
     src, dst = Path(src), Path(dst)
     cfg = read_config(src)
@@ -339,7 +339,7 @@ def pad_drafter_dir(src: Path, dst: Path, tp: int = 2) -> dict:
     new_state = pad_attention_weights(state, layout, where=str(src))
     new_cfg = cfg.replace(num_attention_heads=layout.q_padded, num_key_value_heads=layout.kv_padded,
                           head_dim=layout.head_dim)
-    new_model = DSpineDraftModel(new_cfg)
+    new_model = DSpineDrafter(new_cfg)
     new_model.load_state_dict(new_state, strict=True)
     files = safetensors_files(src)
     extra = {k: v for k, v in raw.items() if k not in hf_config(cfg, "float32")}

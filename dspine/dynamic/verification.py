@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from dspine.model.drafter import DSpineDraftModel
+from dspine.model.drafter import DSpineDrafter
 from dspine.engine.proposer import DSpineProposer, Proposal, Proposer
 
 _LOGIT_EPS = 1e-12     # confidence in [eps, 1 - eps] before inverting the sigmoid
@@ -567,8 +567,8 @@ class ConfidenceRecorder:
     outcomes past a shortened verify length would be unknown. Then `recorder.fit()`.
     """
 
-    def __init__(self, drafter: DSpineDraftModel | Proposer):
-        self.inner = DSpineProposer(drafter) if isinstance(drafter, DSpineDraftModel) else drafter
+    def __init__(self, drafter: DSpineDrafter | Proposer):
+        self.inner = DSpineProposer(drafter) if isinstance(drafter, DSpineDrafter) else drafter
         self.block_size, self.layer_ids = self.inner.block_size, self.inner.layer_ids
         self._pending: Tensor | None = None
         self._logits: list[Tensor] = []

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from dspine.engine.acceptance import SamplingParams, accept_tokens, sample_tokens, warp_probs
-from dspine.model.drafter import DSpineDraftModel
+from dspine.model.drafter import DSpineDrafter
 from dspine.engine.proposer import DSpineProposer, Proposal, Proposer
 from dspine.engine.target_runner import TransformersTargetRunner, make_target_runner
 
@@ -97,7 +97,7 @@ class GenerationResult:
     texts: list[str] | None = None
 
 
-def generate(target, drafter: DSpineDraftModel | Proposer | None, prompts: list[list[int]] | list[str], *,
+def generate(target, drafter: DSpineDrafter | Proposer | None, prompts: list[list[int]] | list[str], *,
              tokenizer=None, chat: bool = True, max_new_tokens: int = 128, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, stop_token_ids: list[int] | None = None, seed: int = 0,
              batch_size: int | None = None, verify_budget: VerifyBudget | None = None,
@@ -111,7 +111,7 @@ def generate(target, drafter: DSpineDraftModel | Proposer | None, prompts: list[
     if stop_token_ids is None and tokenizer is not None:
         stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     stop_token_ids = list(stop_token_ids or [])
-    proposer = DSpineProposer(drafter) if isinstance(drafter, DSpineDraftModel) else drafter
+    proposer = DSpineProposer(drafter) if isinstance(drafter, DSpineDrafter) else drafter
     device = next(target.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     stats = GenerationStats()

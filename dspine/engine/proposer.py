@@ -1,4 +1,4 @@
-"""Drafters as seen by the reference engine, and `DSpineProposer`, which runs a `DSpineDraftModel`.
+"""Drafters as seen by the reference engine, and `DSpineProposer`, which runs a `DSpineDrafter`.
 
 A proposer follows the committed sequence of every row: `start` with the prompt (tokens and the
 target's hidden states), `extend` with each round's committed tokens, `select` when rows leave,
@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from dspine.model.drafter import DSpineDraftModel
+from dspine.model.drafter import DSpineDrafter
 from dspine.engine.slots import compact_order, gather_slots
 from dspine.model.transition import SuccessorTable, select_tokens
 
@@ -47,7 +47,7 @@ class Proposer(Protocol):
 class DSpineProposer:
     """Per-layer context K/V cache (right-padded slots + validity, positions) and one-block drafting."""
 
-    def __init__(self, model: DSpineDraftModel):
+    def __init__(self, model: DSpineDrafter):
         self.model = model
         self.config = model.config
         self.block_size = model.config.block_size

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from dspine import env
 from dspine.model.config import ConfigError, DSpineConfig
-from dspine.model.drafter import DSpineDraftModel
+from dspine.model.drafter import DSpineDrafter
 
 ARCHITECTURE = "DSpineDraftModel"
 INDEX_FILE = "model.safetensors.index.json"
@@ -55,7 +55,7 @@ class IncompatibleTargetError(CheckpointError):
     """The drafter was built for a different target (vocab, hidden size, layers, mask id)."""
 
 
-def save_checkpoint(model: DSpineDraftModel, path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
+def save_checkpoint(model: DSpineDrafter, path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
                     max_shard_bytes: int = 2 << 30, extra_config: dict | None = None) -> Path:
     """Write `model` to directory `path` (replaced atomically if it exists). Returns the path."""
     path = Path(path)
@@ -217,7 +217,7 @@ def _tensor_files(ckpt_dir: Path) -> dict[str, Path]:
 
 
 def load_checkpoint(path_or_id: str | os.PathLike, *, target=None, device: torch.device | str = "cpu",
-                    dtype: torch.dtype | None = None) -> DSpineDraftModel:
+                    dtype: torch.dtype | None = None) -> DSpineDrafter:
     """Load a drafter; with `target` (a transformers causal LM) validate and attach it.
 
     dtype: compute dtype (default: the checkpoint's). Raises `CheckpointError` subclasses.
@@ -228,7 +228,7 @@ def load_checkpoint(path_or_id: str | os.PathLike, *, target=None, device: torch
         check_target_compatible(cfg, target.config)
     saved_dtype = DTYPES.get(json.loads((ckpt_dir / "config.json").read_text()).get("torch_dtype", "float32"),
                              torch.float32)
-    model = DSpineDraftModel(cfg)
+    model = DSpineDrafter(cfg)
     expected = model.state_dict()
     files = _tensor_files(ckpt_dir)
     missing = sorted(set(expected) - set(files))

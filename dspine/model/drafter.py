@@ -1,4 +1,4 @@
-"""`DSpineDraftModel`: the five-layer parallel drafter.
+"""`DSpineDrafter`: the five-layer parallel drafter.
 
 One forward drafts whole blocks. Context: the hidden states of K target layers, concatenated
 ([.., K·H]), projected by `fc` and normalised, serve as keys/values of every draft layer. Queries:
@@ -35,7 +35,7 @@ class DraftOutput:
     layer_scores: list[Tensor] | None = None
 
 
-class DSpineDraftModel(nn.Module):
+class DSpineDrafter(nn.Module):
     def __init__(self, config: DSpineConfig):
         super().__init__()
         self.config = cfg = config

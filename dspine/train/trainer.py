@@ -28,7 +28,7 @@ import yaml
 
 from dspine.model.checkpoint import save_checkpoint
 from dspine.model.config import DSpineConfig
-from dspine.model.drafter import DSpineDraftModel
+from dspine.model.drafter import DSpineDrafter
 from dspine.train.blocks import BlockBatch, make_block_batch
 from dspine.model.transition import select_tokens
 
@@ -82,7 +82,7 @@ def target_hidden(target, input_ids, valid, layer_ids) -> torch.Tensor:
     return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
-def block_losses(model: DSpineDraftModel, target, batch: BlockBatch, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+def block_losses(model: DSpineDrafter, target, batch: BlockBatch, cfg: TrainConfig) -> dict[str, torch.Tensor]:
     """All loss terms of one batch (scalars); `total` is what is optimised."""
     dc = model.config
     hidden = target_hidden(target, batch.input_ids, batch.valid, dc.target_layer_ids)
@@ -123,7 +123,7 @@ def block_losses(model: DSpineDraftModel, target, batch: BlockBatch, cfg: TrainC
 
 
 @torch.no_grad()
-def heldout_tau(model: DSpineDraftModel, target, records: list[dict], cfg: TrainConfig, device) -> float:
+def heldout_tau(model: DSpineDrafter, target, records: list[dict], cfg: TrainConfig, device) -> float:
     """Teacher-forced acceptance estimate: per block, 1 + the number of leading slots whose selected
     token equals the target's answer token (greedy answers, so equal to the target's argmax). Slots
     past the end of the sequence end the count (they are not free acceptances)."""
@@ -161,7 +161,7 @@ def _lr(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def build_training(cfg: TrainConfig, device: str) -> tuple[torch.nn.Module, DSpineDraftModel, torch.optim.Optimizer]:
+def build_training(cfg: TrainConfig, device: str) -> tuple[torch.nn.Module, DSpineDrafter, torch.optim.Optimizer]:
     """`(frozen target, drafter in train mode attached to it, AdamW)` for `cfg` on `device`
     (bf16 target on CUDA, fp32 elsewhere)."""
     from dspine.engine.targets import load_target, mask_token_candidate
@@ -169,7 +169,7 @@ def build_training(cfg: TrainConfig, device: str) -> tuple[torch.nn.Module, DSpi
     target, tokenizer = load_target(cfg.target, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32,
                                     device=device)
     dcfg = DSpineConfig.for_target(target.config, mask_token_id=mask_token_candidate(tokenizer), **cfg.drafter)
-    model = DSpineDraftModel(dcfg).to(device)
+    model = DSpineDrafter(dcfg).to(device)
     model.attach_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -180,7 +180,7 @@ def build_training(cfg: TrainConfig, device: str) -> tuple[torch.nn.Module, DSpi
     return target, model, opt
 
 
-def train_step(model: DSpineDraftModel, target, batch: BlockBatch, opt: torch.optim.Optimizer, cfg: TrainConfig,
+def train_step(model: DSpineDrafter, target, batch: BlockBatch, opt: torch.optim.Optimizer, cfg: TrainConfig,
                *, use_amp: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One optimisation step (bf16 autocast when `use_amp`, gradient clipping): `(terms, grad_norm)`."""
     with torch.autocast(device_type="cuda" if use_amp else "cpu", dtype=torch.bfloat16, enabled=use_amp):

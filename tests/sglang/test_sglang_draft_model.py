@@ -68,10 +68,10 @@ def dspine_cfg(**overrides) -> DSpineConfig:
     return DSpineConfig(**opts)
 
 
-def random_drafter(cfg: DSpineConfig, seed: int = 0) -> ref_drafter.DSpineDraftModel:
+def random_drafter(cfg: DSpineConfig, seed: int = 0) -> ref_drafter.DSpineDrafter:
     """A reference drafter with every weight random (norms near 1), so no part of the math is trivial."""
     torch.manual_seed(seed)
-    model = ref_drafter.DSpineDraftModel(cfg)
+    model = ref_drafter.DSpineDrafter(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
