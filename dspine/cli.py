@@ -7,10 +7,14 @@ Run `dspine <command> --help` for what each one does and an example.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import os
 import sys
 from pathlib import Path
+
+# Subcommands that live beside the code they drive. Each module exposes `add_command(subparsers)`
+# and imports only light modules at import time (torch and transformers inside its run functions).
+COMMAND_MODULES = ("dspine.serve.launch", "dspine.train.cli", "dspine.serve.tune_sps_cli")
 
 DEFAULT_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -62,6 +66,7 @@ def cmd_generate(args) -> int:
         from dspine.model.checkpoint import default_drafter_dir
 
         drafter_spec = str(default_drafter_dir())
+    print(f"dspine generate: drafter {drafter_spec}", file=sys.stderr)
     drafter = load_drafter_arg(drafter_spec, target, tokenizer, args.device, dtype)
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -165,31 +170,23 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--check-default-target", action="store_true", help="check against SmolLM2-135M-Instruct")
     i.set_defaults(func=cmd_info)
 
-    for module in _extra_command_modules():
-        module.add_command(sub)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_command(sub)  # an import failure is an error, never a missing command
     return parser
 
 
-def _extra_command_modules():
-    """Subcommands that live beside the code they drive (each module exposes `add_command`)."""
-    import importlib
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors whose message names the cause and the fix: printed without a traceback. Imported on
+    the error path only (the checkpoint and target modules import torch)."""
+    from dspine.engine.targets import TargetLoadError
+    from dspine.model.checkpoint import CheckpointError
+    from dspine.model.config import ConfigError
+    from dspine.train.config import TrainConfigError
 
-    for name in ("dspine.serve.presets", "dspine.train.cli", "dspine.serve.tune_sps"):
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name and name.startswith(exc.name):
-                continue
-            raise
-        if hasattr(module, "add_command"):
-            yield module
+    return CheckpointError, ConfigError, TargetLoadError, TrainConfigError, FileNotFoundError
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dspine.model.checkpoint import CheckpointError
-    from dspine.model.config import ConfigError
-    from dspine.engine.targets import TargetLoadError
-
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "accepts_extra", False):
@@ -197,10 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     args.extra = extra
     try:
         return int(args.func(args) or 0)
-    except (CheckpointError, ConfigError, TargetLoadError) as exc:
+    except Exception as exc:
+        if not isinstance(exc, _user_errors()):
+            raise
         print(f"dspine: error: {exc}", file=sys.stderr)
         return 2
-
 
 if __name__ == "__main__":
     sys.exit(main())

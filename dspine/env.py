@@ -85,6 +85,12 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def process_environ() -> dict[str, str]:
+    """A copy of this process's whole environment: what a server launched from here inherits
+    (`dspine serve` checks the declared variables in it with `EnvVar.get(mapping)`)."""
+    return dict(os.environ)
+
+
 REGISTRY: dict[str, EnvVar] = {}
 
 
@@ -94,52 +100,32 @@ def _declare(name: str, default, doc: str, kind: str, parse: Callable[[str], Any
     return var
 
 
-def _path(raw: str) -> Path:
-    return Path(raw).expanduser()
+def _path_var(name: str, doc: str, default: Path | None = None) -> EnvVar:
+    return _declare(name, default, doc, "a path", lambda raw: Path(raw).expanduser())
+
+
+def _bool_var(name: str, doc: str) -> EnvVar:
+    return _declare(name, False, doc, "0 or 1", _bool)
 
 
 # --- anywhere -------------------------------------------------------------------------------------
-DSPINE_KERNELS = _declare(
-    "DSPINE_KERNELS", "auto", "Kernel choice: `auto` (Triton on CUDA tensors, PyTorch elsewhere), `triton`, `torch`.",
-    "auto, triton or torch", _choice("auto", "triton", "torch"))
-DSPINE_CACHE = _declare(
-    "DSPINE_CACHE", Path("~/.cache/dspine").expanduser(),
-    "Cache folder: the default target converted from its GGUF file.", "a folder path", _path)
-DSPINE_DEFAULT_DRAFTER = _declare(
-    "DSPINE_DEFAULT_DRAFTER", None,
-    "The drafter `dspine generate` loads when `--drafter` is not given (default: the drafter in the package).",
-    "a checkpoint folder", _path)
-DSPINE_PRESETS_DIR = _declare(
-    "DSPINE_PRESETS_DIR", None, "Extra folder of `dspine serve` presets, searched before the packaged ones.",
-    "a folder path", _path)
-TRITON_INTERPRET = _declare(
-    "TRITON_INTERPRET", False, "Triton's interpreter (CPU tests run the kernels in it); read, never set, by DSpine.",
-    "0 or 1", _bool)
+DSPINE_KERNELS = _declare("DSPINE_KERNELS", "auto", "Kernels: auto (Triton on CUDA tensors), triton or torch.",
+                          "auto, triton or torch", _choice("auto", "triton", "torch"))
+DSPINE_CACHE = _path_var("DSPINE_CACHE", "Cache folder (the default target converted from its GGUF file).",
+                         default=Path("~/.cache/dspine").expanduser())
+DSPINE_DEFAULT_DRAFTER = _path_var("DSPINE_DEFAULT_DRAFTER", "Drafter `dspine generate` loads without --drafter.")
+TRITON_INTERPRET = _bool_var("TRITON_INTERPRET", "Triton's interpreter (the CPU tests run kernels in it).")
+DSPINE_PRESETS_DIR = _path_var("DSPINE_PRESETS_DIR", "Extra `dspine serve` presets, searched before the packaged.")
 
 # --- inside an SGLang server (read by the plugin and the DSPINE worker) ---------------------------
-DSPINE_DYNAMIC = _declare(
-    "DSPINE_DYNAMIC", None,
-    "Switch file (`dspine tune-sps` writes it): per decode step, draft or decode plainly, or force one kind.",
-    "a switch-file path", _path)
-DSPINE_RECORD_CONFIDENCE = _declare(
-    "DSPINE_RECORD_CONFIDENCE", False,
-    "Record per-position drafter confidence and acceptance in `/server_info` (`dspine tune-sps` sets it).",
-    "0 or 1", _bool)
-SGLANG_RECORD_STEP_TIME = _declare(
-    "SGLANG_RECORD_STEP_TIME", False,
-    "SGLang's step-time recording; with it the DSPINE worker also times decode steps per kind (draft, plain).",
-    "0 or 1", _bool)
-SGLANG_RAGGED_VERIFY_MODE = _declare(
-    "SGLANG_RAGGED_VERIFY_MODE", "static",
-    "SGLang's verify-width mode, read where SGLang's own reader is absent; DSPINE needs `static`.",
-    "static or another SGLang mode", str)
-DSPINE_STEP_PROFILE = _declare(
-    "DSPINE_STEP_PROFILE", None, "Diagnostic: a folder; the scheduler writes where its decode steps spend host time.",
-    "a folder path", _path)
-DSPINE_STEP_PROFILE_WINDOWS = _declare(
-    "DSPINE_STEP_PROFILE_WINDOWS", (300, 1300, 2300),
-    "With DSPINE_STEP_PROFILE: warm-up end, phase-1 end and phase-2 end, in decode steps.",
-    "three comma-separated step counts", _ints(3))
-DSPINE_STEP_PROFILE_PHASES = _declare(
-    "DSPINE_STEP_PROFILE_PHASES", 2, "With DSPINE_STEP_PROFILE: how many measured phases (1 or 2).",
-    "an integer >= 1", _int_at_least(1))
+DSPINE_DYNAMIC = _path_var("DSPINE_DYNAMIC", "Switch file: per decode step, draft or decode plainly (or forced).")
+DSPINE_RECORD_CONFIDENCE = _bool_var("DSPINE_RECORD_CONFIDENCE", "Record drafter confidence in /server_info.")
+SGLANG_RAGGED_VERIFY_MODE = _declare("SGLANG_RAGGED_VERIFY_MODE", "static", "SGLang's verify-width mode.",
+                                     "static or another SGLang mode", str)
+SGLANG_RECORD_STEP_TIME = _bool_var("SGLANG_RECORD_STEP_TIME", "Step-time recording (per step kind in DSPINE).")
+DSPINE_STEP_PROFILE = _path_var("DSPINE_STEP_PROFILE", "Diagnostic: folder for the host-time profile of steps.")
+DSPINE_STEP_PROFILE_WINDOWS = _declare("DSPINE_STEP_PROFILE_WINDOWS", (300, 1300, 2300),
+                                       "Profile windows: warm-up, phase-1 and phase-2 ends, in decode steps.",
+                                       "three comma-separated step counts", _ints(3))
+DSPINE_STEP_PROFILE_PHASES = _declare("DSPINE_STEP_PROFILE_PHASES", 2, "Profile: measured phases (1 or 2).",
+                                      "an integer >= 1", _int_at_least(1))

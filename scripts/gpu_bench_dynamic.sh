@@ -10,12 +10,13 @@
 #            --out FILE, written on a machine with the ShareGPT package); never tuned on
 #   K        target tokens per plain step (default 8)
 #
-# 1. Plain-step table: a DSPINE server whose every decode step is a K-token plain step, with
+# 1. Plain-step table: a DSPINE server whose every decode step is a K-token plain step (a forced
+#    switch file, OUT/plain-forced.json: {"force": "plain", "plain_tokens": K}), with
 #    SGLANG_RECORD_STEP_TIME=1 (the worker's step clock: decode periods, prefills excluded) ->
 #    tune-sps --verify-tokens 1 on the dev traces' tune split. The server stays up for step 3.
 # 2. Drafting table, calibration, prior and switch.json: a static DSPINE server with confidence
 #    records -> tune-sps --plain-table --plain-tokens K. Stopped afterwards.
-# 3. bench_dynamic.py --repeats 3: AR, DSPINE-static, DSPINE-dynamic started one at a time,
+# 3. scripts/bench_dynamic.py --repeats 3: AR, DSPINE-static, DSPINE-dynamic started one at a time,
 #    DSPINE-plain on the step-1 server.
 # Every server gets the same CUDA-graph batch sizes (fewer than SGLang's default 35: a DSPINE server
 # captures three graph sets, and this keeps its start near one minute).
@@ -30,9 +31,12 @@ GRAPHS="--cuda-graph-bs-decode 1 2 3 4 6 8 12 16 24 32 48 64 96 128 --max-runnin
 SPEC="--speculative-algorithm DSPINE --speculative-num-draft-tokens 16 --speculative-draft-attention-backend triton
       --speculative-draft-model-path $DRAFT"
 TRACES=(benchmarks/traces/*.jsonl)
+FORCED="$(cd "$OUT" && pwd)/plain-forced.json"
 
+python3 -c 'import sys; from dspine.dynamic.switch import write_forced_switch
+write_forced_switch(sys.argv[1], "plain", plain_tokens=int(sys.argv[2]))' "$FORCED" "$K"
 # shellcheck disable=SC2086
-SGLANG_RECORD_STEP_TIME=1 DSPINE_SWITCH=plain DSPINE_PLAIN_TOKENS=$K \
+SGLANG_RECORD_STEP_TIME=1 DSPINE_DYNAMIC="$FORCED" \
   dspine_server plain 30001 $GRAPHS $SPEC --mem-fraction-static 0.2
 trap 'dspine_server_stop 30001; dspine_server_stop 30002' EXIT
 python3 scripts/tune_sps.py --url http://127.0.0.1:30001 --traces "${TRACES[@]}" --out "$OUT/plain" -q \
@@ -45,7 +49,7 @@ python3 scripts/tune_sps.py --url http://127.0.0.1:30002 --traces "${TRACES[@]}"
   --concurrencies $LEVELS --gpu "NVIDIA H200" --plain-table "$OUT/plain/sps_table.json" --plain-tokens "$K"
 dspine_server_stop 30002
 
-python3 dspine/bench/dynamic.py --requests "$HELDOUT" --concurrency $LEVELS --min-requests 48 --repeats 3 \
+python3 scripts/bench_dynamic.py --requests "$HELDOUT" --concurrency $LEVELS --min-requests 48 --repeats 3 \
   --draft "$DRAFT" --model-path "$SMOLLM2" --extra-flags "$GRAPHS --mem-fraction-static 0.6" \
   --configs AR,DSPINE-static,DSPINE-dynamic,DSPINE-plain --url DSPINE-plain=http://127.0.0.1:30001 \
   --plain-tokens "$K" --switch "$OUT/draft/switch.json" --out-dir "$OUT/bench"

@@ -12,13 +12,12 @@
 #   dspine_bg NAME 'shell command'                    # run in the background, outliving the call
 #   dspine_wait NAME SECONDS                          # wait for it; prints its status and log tail
 #
-# Only `dspine` goes on SGLang's path (a link in /tmp/dspine-src), never the repository root: its
-# top-level `kernels/` would shadow the PyPI `kernels` package that SGLang imports. SGLang finds
-# plugins through entry points, so a two-file dist-info beside the link stands in for `pip install`.
+# Only the `dspine` package goes on SGLang's path (a link in /tmp/dspine-src), not the repository
+# root. SGLang finds plugins through entry points, so a two-file dist-info beside the link stands in
+# for `pip install`.
 # shellcheck shell=bash
 # shellcheck source=/dev/null
 source .gpu/host/env.sh || return 1
-ln -sfn ../kernels dspine/kernels
 DSPINE_SRC=/tmp/dspine-src
 mkdir -p "$DSPINE_SRC/dspine-0.1.0.dist-info"
 ln -sfn "$PWD/dspine" "$DSPINE_SRC/dspine"

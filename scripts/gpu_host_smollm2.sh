@@ -16,7 +16,6 @@ STAGE=/tmp/dspine-stage PKGS=/tmp/dspine-pkgs
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 
 dspine_env() {
-  ln -sfn ../kernels dspine/kernels          # dspine.kernels without installing the package
   export PYTHONPATH="$PKGS:$PWD${PYTHONPATH:+:$PYTHONPATH}"
   export DSPINE_CACHE=/tmp/dspine-cache DSPINE_PROMPTS_DIR="$PWD/.gpu-dspine/prompts"
   export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

@@ -2,7 +2,7 @@
 # #3 end to end on the GPU host, after the SGLang bundle is staged (docs/sglang.md, "GPU host"):
 # target-regenerated data, the DSpine drafter and its ablation trained at once on it (same data,
 # steps, seed), then `bench-accept` of both. One H200: data 7.2 min (server start included), training
-# ~9-10 min (both sharing the GPU), bench-accept ~3 min (session 11).
+# ~9-10 min (both sharing the GPU), bench-accept ~3 min.
 #
 #   bash scripts/gpu_train_pair.sh OUT [SAMPLED_PROMPTS] [STEPS] [VARIANT 'KEY=JSON ...']
 #
@@ -18,7 +18,7 @@
 #    as two clients at once; the server stops; the two files join into OUT/data.jsonl. With
 #    DSPINE_DATA=FILE (.jsonl or .jsonl.gz, e.g. an earlier run's OUT/data.jsonl.gz) that file is the
 #    data instead: no server, no generation (~7 minutes less).
-# 2. train_pair.py: the DSpine drafter (or VARIANT) and the ablation, one process each, sharing the GPU.
+# 2. scripts/train_pair.py: the DSpine drafter (or VARIANT) and the ablation, one process each, sharing the GPU.
 # 3. bench-accept, one process per drafter (32 prompts per set, 160 new tokens, T=0 and T=1; greedy
 #    parity checked for DSpine), merged into OUT/acceptance_smollm2.json; a third process measures the
 #    DSpine drafter with argmax selection (injection alone: OUT/acc/dspine_argmax.json).
@@ -62,9 +62,9 @@ if [ -n "$VARIANT" ]; then
   NAME=dspine-$VARIANT
 fi
 COMMON=(--steps "$STEPS" --data "$OUT/data.jsonl" --work /tmp/dspine-run --out-dir "$OUT")
-python3 dspine/train/pair.py "${DSPINE_RUN[@]}" "${COMMON[@]}" > "$OUT/train-dspine.log" 2>&1 &
+python3 scripts/train_pair.py "${DSPINE_RUN[@]}" "${COMMON[@]}" > "$OUT/train-dspine.log" 2>&1 &
 dspine_pid=$!
-python3 dspine/train/pair.py train-ablation "${COMMON[@]}" > "$OUT/train-ablation.log" 2>&1
+python3 scripts/train_pair.py train-ablation "${COMMON[@]}" > "$OUT/train-ablation.log" 2>&1
 wait $dspine_pid
 say "trained $NAME and the ablation, $STEPS steps each"
 

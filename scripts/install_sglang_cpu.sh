@@ -2,6 +2,7 @@
 # Install SGLang into a separate venv for the CPU-only SGLang adapter tests (tests/sglang/).
 #
 #   bash scripts/install_sglang_cpu.sh                     # SGLang 0.5.22 -> .venv-sglang (git-ignored)
+#   SGLANG_VERSION=0.5.23 DSPINE_SGLANG_VENV=.venv-sglang-0523 bash scripts/install_sglang_cpu.sh
 #   SGLANG_VERSION=0.5.17 DSPINE_SGLANG_VENV=.venv-sglang-0517 bash scripts/install_sglang_cpu.sh
 #   .venv-sglang/bin/python -m pytest tests/sglang
 #
@@ -27,9 +28,14 @@ STAMP="$VENV/.dspine-sglang-install"
 WANT="$(sha256sum "${BASH_SOURCE[0]}" | cut -c1-16)-$SGLANG_VERSION"
 
 case "$SGLANG_VERSION" in
-  0.5.22) PINNED=("transformers==5.19.0" "tokenizers==0.23.2" "sentencepiece==0.2.1" "compressed-tensors==0.18.0") ;;
-  0.5.17) PINNED=("transformers==5.12.1" "xgrammar==0.2.1" sentencepiece compressed-tensors) ;;
-  *) echo "install_sglang_cpu: SGLANG_VERSION must be 0.5.22 or 0.5.17 (the versions DSpine supports)" >&2
+  # Pins read from each wheel's own METADATA (`pip download --no-deps sglang==X`, Requires-Dist).
+  0.5.23) PINNED=("transformers==5.19.0" "tokenizers==0.23.2" "sentencepiece==0.2.1" "compressed-tensors==0.18.0"
+                  "openai==2.8.0" "apache-tvm-ffi==0.1.11") ;;  # 0.5.23 imports tvm_ffi at module level
+  0.5.22) PINNED=("transformers==5.19.0" "tokenizers==0.23.2" "sentencepiece==0.2.1" "compressed-tensors==0.18.0"
+                  "openai==2.6.1") ;;
+  0.5.17) PINNED=("transformers==5.12.1" "xgrammar==0.2.1" sentencepiece compressed-tensors "openai==2.6.1") ;;
+  *) echo "install_sglang_cpu: SGLANG_VERSION must be 0.5.23, 0.5.22 or 0.5.17 (the versions DSpine's CPU tests" \
+          "cover)" >&2
      exit 2 ;;
 esac
 
@@ -71,7 +77,7 @@ pip_install --no-deps "sglang==$SGLANG_VERSION"
 pip_install \
   "torch==2.14.1" "torchvision==0.29.1" triton "${PINNED[@]}" \
   numpy msgspec requests psutil pydantic packaging orjson setproctitle pyzmq einops regex tqdm xxhash \
-  pybase64 zstandard pillow starlette IPython aiohttp dill gguf "openai==2.6.1" partial_json_parser \
+  pybase64 zstandard pillow starlette IPython aiohttp dill gguf partial_json_parser \
   uvicorn fastapi python-multipart pyyaml safetensors pytest
 
 # 3. DSpine itself, editable and without its own dependencies (torch/transformers are above), so the

@@ -6,7 +6,7 @@ Example: python scripts/tune_sps.py --url http://127.0.0.1:30000 --traces my.jso
 
 import sys
 
-from dspine.serve.tune_sps import main
+from dspine.serve.tune_sps_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -71,8 +71,9 @@ def tiny_qwen3(vocab: int = 256, hidden: int = 64, layers: int = 6, seed: int = 
 def drafter_for(target, seed: int = 0, **overrides) -> DSpineDrafter:
     """A random DSpine drafter shaped for `target`, attached to it."""
     torch.manual_seed(seed)
+    # per_layer: the tests' drafters keep the injection they were written for (the shipped default is first_layer)
     opts = dict(transfer_rank=16, sliding_window=64, injection_top_k=4, selection_top_k=4, successor_table_size=8,
-                mask_token_id=3)
+                mask_token_id=3, injection_candidates="per_layer")
     opts.update(overrides)
     cfg = DSpineConfig.for_target(target.config, **opts)
     model = DSpineDrafter(cfg).eval()

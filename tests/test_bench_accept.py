@@ -52,7 +52,7 @@ def test_merge_refuses_mixed_settings_and_repeated_drafters(tmp_path):
 def _parse(argv: list[str]):
     import argparse
 
-    from dspine.bench.accept import add_arguments
+    from dspine.train.cli import add_bench_accept_arguments as add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -84,7 +84,7 @@ def test_selection_overrides_reach_the_drafter_and_refuse_a_drafter_without_a_sc
 
     monkeypatch.setattr(bench_accept, "load_target", lambda *a, **k: (target, None))
     monkeypatch.setattr(bench_accept, "stop_token_ids", lambda *a: [2])
-    monkeypatch.setattr(bench_accept, "load_eval_set", lambda name, limit: [type("P", (), {"messages": []})()])
+    monkeypatch.setattr(bench_accept, "load_eval_set", lambda name, limit, **folders: [type("P", (), {"messages": []})()])
     monkeypatch.setattr(bench_accept, "chat_prompt_ids", lambda tok, messages: [1, 5, 6])
     monkeypatch.setattr(bench_accept, "generate", fake_generate)
     monkeypatch.setattr(bench_accept, "plot", lambda runs, path: None)

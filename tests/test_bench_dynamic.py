@@ -4,12 +4,14 @@ parity against AR, repeated levels, the results schema and the refusal of a dyna
 switch file."""
 
 from __future__ import annotations
-import importlib
 
 import json
 
 import pytest
 from conftest import JsonHandler, start_server
+
+from dspine.bench import dynamic as bench
+from dspine.bench.results import BenchError, check_schema
 
 TOKENS = 6
 BLOCK = 16
@@ -54,7 +56,6 @@ def servers():
 
 
 def test_levels_verify_tokens_parity_and_schema(servers, tmp_path, capsys):
-    bench = importlib.import_module("dspine.bench.dynamic")
     requests = tmp_path / "heldout.jsonl"
     requests.write_text("".join(json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 999,
                                             "temperature": 0.7}) + "\n" for text in ("hello", "diverge", "more")))
@@ -79,7 +80,7 @@ def test_levels_verify_tokens_parity_and_schema(servers, tmp_path, capsys):
     assert results["parity_c1"]["DSPINE-dynamic"] == {"requests": 6, "identical": 4, "first_difference": [2, 2]}
     assert set(results["speedup_vs_ar"]) == {"DSPINE-static", "DSPINE-dynamic"}
     assert results["switch"] == {"round_table": "r.json"} and results["sglang"] == "0.5.17-stub"
-    bench.bs_mod.check_schema(results, bench.RESULTS_SCHEMA)
+    check_schema(results, bench.RESULTS_SCHEMA)
     assert (tmp_path / "dynamic_h200.png").exists()
     assert "DSPINE-dynamic" in capsys.readouterr().out
 
@@ -87,7 +88,6 @@ def test_levels_verify_tokens_parity_and_schema(servers, tmp_path, capsys):
 def test_median_repeat_and_mixed_launchers(tmp_path):
     """The median repeat is reported (lower middle for an even count) with every repeat's throughput;
     `--url NAME=URL` serves the configs it names and serve.sh starts the others."""
-    bench = importlib.import_module("dspine.bench.dynamic")
     levels = [{"output_tok_per_s": x, "wall_s": x} for x in (30.0, 10.0, 20.0, 40.0)]
     assert bench.median_level(levels) == {"output_tok_per_s": 20.0, "wall_s": 20.0,
                                           "repeats_tok_per_s": [30.0, 10.0, 20.0, 40.0]}
@@ -105,7 +105,6 @@ def test_median_repeat_and_mixed_launchers(tmp_path):
 
 def test_ratios_against_the_mean_of_several_ar_runs(tmp_path):
     """With `ar_runs` the ratios use their mean, not the AR entries of `runs`; the plot draws them."""
-    bench = importlib.import_module("dspine.bench.dynamic")
     runs = [{"algorithm": "AR", "concurrency": 1, "output_tok_per_s": 100.0},
             {"algorithm": "DSPINE-dynamic", "concurrency": 1, "output_tok_per_s": 120.0}]
     assert bench.speedups(runs) == {"DSPINE-dynamic": [(1, 1.2)]}
@@ -117,11 +116,31 @@ def test_ratios_against_the_mean_of_several_ar_runs(tmp_path):
 
 
 def test_dynamic_needs_a_switch_file_and_requests_need_messages(tmp_path):
-    bench = importlib.import_module("dspine.bench.dynamic")
     requests = tmp_path / "r.jsonl"
     requests.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
-    with pytest.raises(bench.bs_mod.BenchError, match="--switch"):
+    with pytest.raises(BenchError, match="--switch"):
         bench.main(["--requests", str(requests), "--url", "AR=http://127.0.0.1:9", "--out-dir", str(tmp_path)])
     requests.write_text('{"prompt": "x"}\n')
-    with pytest.raises(bench.bs_mod.BenchError, match=r"r.jsonl:1: .*messages"):
+    with pytest.raises(BenchError, match=r"r.jsonl:1: .*messages"):
         bench.load_requests(requests, 16)
+
+
+def test_the_plain_config_runs_a_server_under_a_forced_plain_switch_file(tmp_path):
+    """DSPINE-plain: the server gets `DSPINE_DYNAMIC=<a forced switch file>` in its environment (and
+    nothing else of the switch's), the file forces plain steps of --plain-tokens tokens; a stand-in
+    serve script records the environment it was started with, then fails to start."""
+    requests = tmp_path / "r.jsonl"
+    requests.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    serve = tmp_path / "serve.sh"
+    serve.write_text('[ "$1" = start ] || exit 0\necho "DSPINE_DYNAMIC=$DSPINE_DYNAMIC" > "$SGL_LOG"\nexit 1\n')
+    out = tmp_path / "out"
+    rc = bench.main(["--requests", str(requests), "--configs", "DSPINE-plain", "--plain-tokens", "8",
+                     "--serve-script", str(serve), "--concurrency", "1", "--out-dir", str(out)])
+    assert rc == 1
+    forced = out.resolve() / bench.FORCED_PLAIN_FILE
+    assert json.loads(forced.read_text()) == {"force": "plain", "plain_tokens": 8}
+    assert (out / "sglang-DSPINE-plain.log").read_text().strip() == f"DSPINE_DYNAMIC={forced}"
+    results = json.loads((out / "dynamic_h200.json").read_text())
+    assert results["configs"]["DSPINE-plain"]["env"] == {"DSPINE_DYNAMIC": str(forced)}
+    assert "--speculative-algorithm" in results["configs"]["DSPINE-plain"]["flags"]
+    assert "exit 1" in results["errors"][0]

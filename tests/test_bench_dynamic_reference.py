@@ -3,7 +3,6 @@ split, measure on held-out requests): every algorithm at every concurrency, gree
 identical to AR's, a readable SPS table, the plain-step table, the held-out calibration report."""
 
 from __future__ import annotations
-import importlib
 
 import json
 
@@ -12,9 +11,8 @@ import torch
 from conftest import drafter_for, tiny_llama
 
 from dspine.model.checkpoint import save_checkpoint
-from dspine.dynamic.verification import load_sps_table
-
-bench = importlib.import_module("dspine.bench.dynamic_reference")
+from dspine.dynamic.cost_tables import load_sps_table
+from dspine.bench import dynamic_reference as bench
 
 
 def test_plain_step_table_interpolates_the_measured_steps():

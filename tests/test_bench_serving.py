@@ -10,7 +10,6 @@ other planted divergence (what a drafter or commit bug would look like).
 """
 
 from __future__ import annotations
-import importlib
 
 import hashlib
 import importlib.util
@@ -20,6 +19,13 @@ import time
 
 import pytest
 from conftest import JsonHandler, start_server
+
+from dspine.bench import parity
+from dspine.bench import serving as bench
+from dspine.bench.chat_client import Reply, load_prompt_mix
+from dspine.bench.results import BenchError, check_schema
+from dspine.serve import openai_demo as demo
+from dspine.utils.http import HttpClient, HttpError
 
 EVAL_SETS = ("gsm8k", "math500", "humaneval", "mbpp", "sharegpt-heldout")
 NEAR_TIE_PROMPT, OTHER_PROMPT = "q-gsm8k-0", "q-math500-0"  # planted divergences
@@ -189,32 +195,30 @@ def stub_server():
 
 
 @pytest.fixture
-def prompts_dir(tmp_path, monkeypatch):
-    """`$DSPINE_PROMPTS_DIR` exports with 4 prompts per evaluation set ("q-<set>-<i>")."""
+def prompts_dir(tmp_path):
+    """`--prompts-dir` exports with 4 prompts per evaluation set ("q-<set>-<i>")."""
     folder = tmp_path / "prompts"
     folder.mkdir()
     for name in EVAL_SETS:
         rows = [{"id": f"{name}/{i}", "source": name, "messages": [{"role": "user", "content": f"q-{name}-{i}"}]}
                 for i in range(4)]
         (folder / f"eval-{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.setenv("DSPINE_PROMPTS_DIR", str(folder))
     return folder
 
 
 # ---------------------------------------------------------------------------------------------
-# bench_serving.py
+# dspine.bench.serving
 # ---------------------------------------------------------------------------------------------
 
 def test_bench_serving_end_to_end(stub_server, prompts_dir, tmp_path):
-    bench = importlib.import_module("dspine.bench.serving")
     ar, dspine = stub_server("ar"), stub_server("dspine")
     out = tmp_path / "results"
     rc = bench.main(["--url", f"AR={ar}", "--url", f"DSPINE={dspine}", "--url", f"DSPINE-ablation={dspine}",
                      "--ablation-draft", "ablation-ckpt", "--prompts", "12", "--max-tokens", "8",
-                     "--concurrency", "1,4", "--out-dir", str(out)])
+                     "--concurrency", "1,4", "--out-dir", str(out), "--prompts-dir", str(prompts_dir)])
     assert rc == 0
     results = json.loads((out / "serving_h200.json").read_text())
-    bench.check_schema(results, bench.RESULTS_SCHEMA)
+    check_schema(results, bench.RESULTS_SCHEMA)
     assert results["sglang"] == "0.5.17-stub"
 
     runs = {(r["algorithm"], r["concurrency"]): r for r in results["runs"]}
@@ -252,11 +256,11 @@ def test_bench_serving_end_to_end(stub_server, prompts_dir, tmp_path):
 def test_ar_control_compares_the_ar_server_with_itself_at_another_batch_size(stub_server, prompts_dir, tmp_path):
     """--ar-control 4: the AR server's near-tie flips only when requests overlap (the stub's
     "ar-batch" mode), so the serial parity pass and the concurrent control disagree there alone."""
-    bench = importlib.import_module("dspine.bench.serving")
     ar, dspine = stub_server("ar-batch"), stub_server("dspine")
     out = tmp_path / "results"
     assert bench.main(["--url", f"AR={ar}", "--url", f"DSPINE={dspine}", "--prompts", "12", "--max-tokens", "8",
-                       "--concurrency", "1", "--ar-control", "4", "--out-dir", str(out)]) == 0
+                       "--concurrency", "1", "--ar-control", "4", "--out-dir", str(out),
+                       "--prompts-dir", str(prompts_dir)]) == 0
     control = json.loads((out / "serving_h200.json").read_text())["parity_ar_control"]
     assert (control["prompts"], control["identical"], control["near_tie_divergences"],
             control["other_divergences"], control["concurrency"]) == (12, 11, 1, 0, 4)
@@ -270,11 +274,11 @@ def test_prefill_check_asks_the_ar_server_last_which_token_its_one_pass_forward_
                                                                                        tmp_path):
     """--prefill-check: AR is measured after DSPINE; at the planted near-tie the stub's one-pass
     prefill takes DSPINE's token, at the planted "other" divergence the AR token (a real fault)."""
-    bench = importlib.import_module("dspine.bench.serving")
     ar, dspine = stub_server("ar"), stub_server("dspine")
     out = tmp_path / "results"
     assert bench.main(["--url", f"AR={ar}", "--url", f"DSPINE={dspine}", "--prompts", "12", "--max-tokens", "8",
-                       "--concurrency", "1", "--prefill-check", "--out-dir", str(out)]) == 0
+                       "--concurrency", "1", "--prefill-check", "--out-dir", str(out),
+                       "--prompts-dir", str(prompts_dir)]) == 0
     results = json.loads((out / "serving_h200.json").read_text())
     assert [lv["algorithm"] for lv in results["levels"]] == ["DSPINE", "AR"]
     parity = results["parity"]
@@ -293,7 +297,6 @@ def test_prefill_check_asks_the_ar_server_last_which_token_its_one_pass_forward_
 
 
 def test_spec_flags_go_to_the_speculative_configs_only():
-    bench = importlib.import_module("dspine.bench.serving")
     replayssm = "--enable-linear-replayssm-spec --linear-replayssm-cache-len 32"
     args = bench.parse_args(["--model-path", "/m", "--draft", "/d", "--ablation-draft", "/a",
                              "--spec-flags", replayssm])
@@ -309,18 +312,18 @@ def test_spec_flags_go_to_the_speculative_configs_only():
 
 
 def test_results_name_writes_beside_the_default_results(stub_server, prompts_dir, tmp_path):
-    bench = importlib.import_module("dspine.bench.serving")
     out = tmp_path / "results"
     out.mkdir()
     (out / "serving_h200.json").write_text("{}")  # an earlier run's results stay untouched
     rc = bench.main(["--url", f"AR={stub_server('ar')}", "--url", f"DSPINE={stub_server('dspine')}",
                      "--configs", "AR,DSPINE", "--prompts", "5", "--max-tokens", "4", "--concurrency", "1",
                      "--waves", "1", "--results-name", "serving_hybrid_h200", "--out-dir", str(out),
+                     "--prompts-dir", str(prompts_dir),
                      "--spec-flags", "--enable-linear-replayssm-spec --linear-replayssm-cache-len 32"])
     assert rc == 0
     assert (out / "serving_h200.json").read_text() == "{}"
     results = json.loads((out / "serving_hybrid_h200.json").read_text())
-    bench.check_schema(results, bench.RESULTS_SCHEMA)
+    check_schema(results, bench.RESULTS_SCHEMA)
     assert results["settings"]["spec_flags"] == "--enable-linear-replayssm-spec --linear-replayssm-cache-len 32"
     assert "--enable-linear-replayssm-spec" in results["configs"]["DSPINE"]["flags"]
     assert "--enable-linear-replayssm-spec" not in results["configs"]["AR"]["flags"]
@@ -331,55 +334,50 @@ def test_results_name_writes_beside_the_default_results(stub_server, prompts_dir
 
 
 def test_ceiling_arithmetic():
-    bench = importlib.import_module("dspine.bench.serving")
-    ar = [bench.Reply(completion_tokens=100, wall_s=1.0), bench.Reply(completion_tokens=100, wall_s=1.0)]
-    spec = [bench.Reply(completion_tokens=100, wall_s=0.5, meta_info={"spec_verify_ct": 25}),
-            bench.Reply(completion_tokens=100, wall_s=0.5, meta_info={"spec_verify_ct": 25})]
-    c = bench.ceiling(ar, spec)
+    ar = [Reply(completion_tokens=100, wall_s=1.0), Reply(completion_tokens=100, wall_s=1.0)]
+    spec = [Reply(completion_tokens=100, wall_s=0.5, meta_info={"spec_verify_ct": 25}),
+            Reply(completion_tokens=100, wall_s=0.5, meta_info={"spec_verify_ct": 25})]
+    c = parity.ceiling(ar, spec)
     assert c["t_step_ms"] == pytest.approx(10.0)  # 2 s / 200 tokens
     assert c["t_round_ms"] == pytest.approx(20.0)  # 1 s / 50 verify steps
     assert c["accept_len"] == pytest.approx(4.0)
     assert c["speedup"] == pytest.approx(2.0)  # 4 tokens per 20 ms round vs 10 ms per token
-    with pytest.raises(bench.BenchError, match="spec_verify_ct"):
-        bench.ceiling(ar, ar)
+    with pytest.raises(BenchError, match="spec_verify_ct"):
+        parity.ceiling(ar, ar)
 
 
 def test_classify_prefix_and_missing_logprobs():
-    bench = importlib.import_module("dspine.bench.serving")
-    ar = bench.Reply(3, 0.1, token_ids=[1, 2, 3], top2=[[-0.1, -0.12]] * 3)
-    assert bench.classify(ar, bench.Reply(3, 0.1, token_ids=[1, 2, 3]), 0.1)["kind"] == "identical"
-    early_stop = bench.classify(ar, bench.Reply(2, 0.1, token_ids=[1, 2]), 0.1)  # DSPINE ended at position 2
+    ar = Reply(3, 0.1, token_ids=[1, 2, 3], top2=[[-0.1, -0.12]] * 3)
+    assert parity.classify(ar, Reply(3, 0.1, token_ids=[1, 2, 3]), 0.1)["kind"] == "identical"
+    early_stop = parity.classify(ar, Reply(2, 0.1, token_ids=[1, 2]), 0.1)  # DSPINE ended at position 2
     assert (early_stop["kind"], early_stop["position"]) == ("near_tie", 2)
-    ar_short = bench.Reply(2, 0.1, token_ids=[1, 2], top2=[[-0.1, -0.12]] * 2)
-    assert bench.classify(ar_short, bench.Reply(3, 0.1, token_ids=[1, 2, 3]), 0.1)["kind"] == "other"
+    ar_short = Reply(2, 0.1, token_ids=[1, 2], top2=[[-0.1, -0.12]] * 2)
+    assert parity.classify(ar_short, Reply(3, 0.1, token_ids=[1, 2, 3]), 0.1)["kind"] == "other"
 
 
 def test_near_tie_threshold_is_inclusive_and_bf16_sized():
-    bench = importlib.import_module("dspine.bench.serving")
     assert bench.parse_args([]).near_tie_nats == 0.25  # two bf16 steps of a logit in [16, 32)
-    assert [bench.verdict(g, 0.25) for g in (0.0, 0.125, 0.25, 0.375, None)] \
+    assert [parity.verdict(g, 0.25) for g in (0.0, 0.125, 0.25, 0.375, None)] \
         == ["near_tie", "near_tie", "near_tie", "other", "other"]
     # fp32 logprobs: two bf16 steps measured on the H200 as 0.2500000596 (HumanEval/6); 0.2501 is not a tie.
-    assert [bench.verdict(g, 0.25) for g in (0.2500000596046448, 0.2501)] == ["near_tie", "other"]
+    assert [parity.verdict(g, 0.25) for g in (0.2500000596046448, 0.2501)] == ["near_tie", "other"]
 
 
 def test_schema_check_rejects_missing_and_mistyped():
-    bench = importlib.import_module("dspine.bench.serving")
-    with pytest.raises(bench.BenchError, match="missing key 'parity'"):
-        bench.check_schema({k: "x" for k in ("device", "date", "sglang", "target", "drafter", "command")}
+    with pytest.raises(BenchError, match="missing key 'parity'"):
+        check_schema({k: "x" for k in ("device", "date", "sglang", "target", "drafter", "command")}
                            | {"runs": [], "ceiling": {"t_step_ms": 1, "t_round_ms": 1, "accept_len": 1,
                                                        "speedup": 1}}, bench.RESULTS_SCHEMA)
-    with pytest.raises(bench.BenchError, match=r"runs\[0\].concurrency"):
-        bench.check_schema([{"concurrency": 1.5}], [{"concurrency": int}], "runs")
+    with pytest.raises(BenchError, match=r"runs\[0\].concurrency"):
+        check_schema([{"concurrency": 1.5}], [{"concurrency": int}], "runs")
 
 
 # ---------------------------------------------------------------------------------------------
-# openai_client_demo.py
+# dspine.serve.openai_demo
 # ---------------------------------------------------------------------------------------------
 
 def test_openai_client_demo(stub_server, capsys):
     pytest.importorskip("openai")
-    demo = importlib.import_module("dspine.serve.openai_demo")
     assert demo.main(["--base-url", stub_server("ar") + "/v1", "--max-tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert "identical to the non-streamed answer" in out
@@ -388,17 +386,15 @@ def test_openai_client_demo(stub_server, capsys):
 
 def test_openai_client_demo_reports_stream_mismatch(stub_server, capsys):
     pytest.importorskip("openai")
-    demo = importlib.import_module("dspine.serve.openai_demo")
     assert demo.main(["--base-url", stub_server("broken") + "/v1", "--max-tokens", "6"]) == 1
     assert "streamed text differs" in capsys.readouterr().err
 
 
 def test_a_run_without_ar_creates_its_out_dir_and_leaves_ceiling_and_parity_null(stub_server, prompts_dir, tmp_path):
-    bench = importlib.import_module("dspine.bench.serving")
     out = tmp_path / "not" / "there" / "yet"
     rc = bench.main(["--url", f"DSPINE={stub_server('dspine')}", "--configs", "DSPINE", "--prompts", "3",
                      "--max-tokens", "4", "--concurrency", "1", "--waves", "1", "--results-name", "probe",
-                     "--out-dir", str(out)])
+                     "--out-dir", str(out), "--prompts-dir", str(prompts_dir)])
     assert rc == 0
     results = json.loads((out / "probe.json").read_text())
     assert results["ceiling"] is None and results["parity"] is None
@@ -408,12 +404,32 @@ def test_a_run_without_ar_creates_its_out_dir_and_leaves_ceiling_and_parity_null
 def test_managed_servers_log_into_an_out_dir_that_did_not_exist(prompts_dir, tmp_path):
     """serve.sh writes the server log into --out-dir at start, before any result: the folder must
     exist by then (a stand-in serve script logs, then fails to start)."""
-    bench = importlib.import_module("dspine.bench.serving")
     serve = tmp_path / "serve.sh"
     serve.write_text('[ "$1" = start ] || exit 0\necho "starting with $*" > "$SGL_LOG" || exit 3\nexit 1\n')
     out = tmp_path / "new" / "results"
     rc = bench.main(["--serve-script", str(serve), "--configs", "DSPINE", "--prompts", "2", "--max-tokens", "4",
-                     "--concurrency", "1", "--waves", "1", "--out-dir", str(out), "--results-name", "probe"])
+                     "--concurrency", "1", "--waves", "1", "--out-dir", str(out), "--prompts-dir", str(prompts_dir),
+                     "--results-name", "probe"])
     assert rc == 1
     assert "starting with start" in (out / "sglang-DSPINE.log").read_text()
     assert "exit 1" in json.loads((out / "probe.json").read_text())["errors"][0]
+
+
+def test_a_prompts_dir_without_an_export_is_named(tmp_path):
+    (tmp_path / "eval-gsm8k.jsonl").write_text("")
+    with pytest.raises(BenchError, match="no eval-math500.jsonl"):
+        load_prompt_mix(5, tmp_path)
+
+
+def test_http_client_streams_lines_and_names_a_refused_request(stub_server):
+    """`HttpClient.stream_lines`: the SSE reply line by line; an HTTP error before the stream starts
+    raises HttpError with the status (the benchmark's requests are not retried)."""
+    url = stub_server("ar")
+    body = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 3, "stream": True}
+    lines = [line.strip() for line in HttpClient(url, retries=0).stream_lines("/v1/chat/completions", body)]
+    events = [line for line in lines if line.startswith(b"data:")]
+    assert events[-1] == b"data: [DONE]" and len(events) == 1 + 3 + 1 + 1  # role, 3 pieces, finish, DONE
+    with pytest.raises(HttpError) as refused:
+        list(HttpClient(stub_server("dspine"), retries=0).stream_lines("/v1/chat/completions",
+                                                                       {**body, "logprobs": True}))
+    assert refused.value.status == 400

@@ -2,7 +2,6 @@
 (fit on `tune`, report on `heldout`, STS file readable)."""
 
 from __future__ import annotations
-import importlib
 
 import json
 
@@ -10,9 +9,8 @@ import torch
 from conftest import drafter_for, tiny_llama
 
 from dspine.model.checkpoint import save_checkpoint
-from dspine.dynamic.verification import PositionCalibration
-
-calibrate = importlib.import_module("dspine.bench.calibrate_reference")
+from dspine.dynamic.calibration import PositionCalibration
+from dspine.bench import calibrate_reference as calibrate
 
 
 def test_a_run_fits_on_tune_and_reports_on_heldout(tmp_path, monkeypatch):

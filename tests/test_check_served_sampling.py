@@ -2,7 +2,6 @@
 that is off at one position fails there and only there."""
 
 from __future__ import annotations
-import importlib
 
 import json
 import random
@@ -12,7 +11,7 @@ from collections import Counter
 import pytest
 from conftest import JsonHandler, start_server
 
-check = importlib.import_module("dspine.bench.served_sampling")
+from dspine.bench import served_sampling as check
 
 TOKENS = [11, 12, 13, 14, 15, 16]
 WEIGHTS = [0.35, 0.25, 0.15, 0.1, 0.1, 0.05]

@@ -73,7 +73,7 @@ def test_wrong_shape_and_dtype(saved):
     with pytest.raises(TensorMismatchError, match=r"fc.weight has shape \(3, 3\)"):
         load_checkpoint(path)
     _edit_tensors(path, lambda s: s.__setitem__("fc.weight", original.half()))
-    with pytest.raises(TensorMismatchError, match="torch_dtype"):
+    with pytest.raises(TensorMismatchError, match="config.json dtype says"):
         load_checkpoint(path)
 
 
@@ -121,7 +121,7 @@ def test_failed_save_leaves_nothing(tmp_path, llama_target, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("dspine.model.checkpoint.save_file", boom)
+    monkeypatch.setattr("dspine.model.checkpoint.save_torch_state_dict", boom)
     with pytest.raises(OSError):
         save_checkpoint(model, tmp_path / "ckpt")
     with pytest.raises(OSError):
@@ -129,3 +129,72 @@ def test_failed_save_leaves_nothing(tmp_path, llama_target, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]          # no temp dirs, no partial "fresh"
     assert sorted(p.name for p in good.iterdir()) == before                 # the old checkpoint is intact
     load_checkpoint(good)
+
+
+def test_config_json_carries_the_keys_transformers_and_sglang_read(saved):
+    model, path = saved
+    cfg = json.loads((path / "config.json").read_text())
+    dc = model.config
+    assert cfg["dtype"] == cfg["torch_dtype"] == "float32" and cfg["num_target_layers"] == dc.num_target_layers
+    assert cfg["layer_types"] == ["sliding_attention"] * dc.num_hidden_layers
+    assert cfg["sliding_window"] == dc.sliding_window and cfg["use_sliding_window"] is True
+    assert cfg["is_causal"] is False                    # the block attends bidirectionally
+    from transformers import AutoConfig
+
+    parsed = AutoConfig.from_pretrained(path)
+    assert parsed.layer_types == cfg["layer_types"] and parsed.sliding_window == dc.sliding_window
+
+
+def test_checkpoint_without_the_new_keys_still_loads(saved):
+    model, path = saved
+    cfg = json.loads((path / "config.json").read_text())
+    for key in ("dtype", "num_target_layers", "layer_types", "sliding_window", "use_sliding_window", "is_causal"):
+        cfg.pop(key)
+    (path / "config.json").write_text(json.dumps(cfg))
+    loaded = load_checkpoint(path)
+    assert all(torch.equal(loaded.state_dict()[k], t) for k, t in model.state_dict().items())
+
+
+def test_default_shards_are_5gb_through_huggingface_hub(tmp_path, llama_target, monkeypatch):
+    import huggingface_hub
+
+    seen = {}
+    real = huggingface_hub.save_torch_state_dict
+    monkeypatch.setattr("dspine.model.checkpoint.save_torch_state_dict",
+                        lambda state, where, **kw: seen.update(kw) or real(state, where, **kw))
+    path = save_checkpoint(drafter_for(llama_target), tmp_path / "c")
+    assert seen == {"max_shard_size": "5GB"} and (path / "model.safetensors").is_file()
+    assert not (path / "model.safetensors.index.json").exists()
+
+
+def test_target_fingerprint_is_recorded_and_checked(tmp_path, llama_target):
+    from dspine.engine.targets import target_identity
+
+    identity = target_identity(llama_target.config, "tiny/llama")
+    path = save_checkpoint(drafter_for(llama_target), tmp_path / "c", target=identity)
+    assert json.loads((path / "config.json").read_text())["dspine_target"] == identity
+    load_checkpoint(path, target=llama_target)                      # same target: loads
+    other = tiny_llama()
+    other.config.num_attention_heads = other.config.num_attention_heads * 2   # same shapes the checks read
+    with pytest.raises(IncompatibleTargetError, match="fingerprint.*dspine train --target"):
+        load_checkpoint(path, target=other)
+
+
+def test_model_card_has_hub_front_matter_and_the_training_record(tmp_path, llama_target):
+    from dspine.engine.targets import target_identity
+
+    path = save_checkpoint(drafter_for(llama_target), tmp_path / "card",
+                           target=target_identity(llama_target.config, "owner/tiny-llama"),
+                           card={"data_hash": "sha256:abc123", "code_version": "0.3.0+g1234567",
+                                 "budget": {"steps": 10, "batch_size": 2}})
+    text = (path / "README.md").read_text()
+    front = text.split("---\n")[1]
+    assert front.splitlines() == ["base_model: owner/tiny-llama", "license: apache-2.0", "library_name: dspine",
+                                  "tags:", "- speculative-decoding", "- dspine", "- draft-model"]
+    assert "Data hash: sha256:abc123" in text and "Code version: 0.3.0+g1234567" in text
+    assert "Budget: steps 10, batch_size 2" in text and str(tmp_path) not in text
+    local = save_checkpoint(drafter_for(llama_target), tmp_path / "local",
+                            target=target_identity(llama_target.config, str(tmp_path / "target")))
+    assert "base_model" not in (local / "README.md").read_text()      # a local path is no hub id
+    with pytest.raises(ValueError, match="unknown"):
+        save_checkpoint(drafter_for(llama_target), tmp_path / "bad", card={"data": "/tmp/x.jsonl"})

@@ -9,7 +9,7 @@ import torch
 from dspine import generate
 from dspine.model.checkpoint import load_checkpoint
 from dspine.model.checkpoint import default_drafter_dir as default_drafter
-from dspine.data.datasets import load_eval_set
+from dspine.data.eval_sets import load_eval_set
 from dspine.engine.targets import chat_prompt_ids, load_target, stop_token_ids
 
 pytestmark = pytest.mark.slow

@@ -13,9 +13,11 @@ import torch
 
 from conftest import drafter_for, fixed_prompts
 from dspine import generate
-from dspine.dynamic.verification import (ConfidenceRecorder, DynamicVerifier, FlatCostTable, PositionCalibration,
-                                         SpsAdditiveCostTable, SpsCostTable, VerifyPlanner, expected_calibration_error, load_sps_table,
-                                         VerifyPlan, make_verify_budget, sps_table_from_json, sps_table_to_json)
+from dspine.dynamic.calibration import PositionCalibration, expected_calibration_error
+from dspine.dynamic.cost_tables import (FlatCostTable, SpsAdditiveCostTable, SpsCostTable, load_sps_table,
+                                        sps_table_from_json, sps_table_to_json)
+from dspine.dynamic.planner import DynamicVerifier, VerifyPlan, VerifyPlanner, make_verify_budget
+from dspine.dynamic.recording import ConfidenceRecorder
 from dspine.engine.proposer import Proposal
 
 

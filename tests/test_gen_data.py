@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import JsonHandler, start_server
 
-from dspine.data.datasets import Prompt, save_prompts
+from dspine.data.prompts import Prompt, save_prompts
 from dspine.engine.targets import load_target, stop_token_ids
 from dspine.train import gen_data
 from dspine.train.cli import cmd_gen_data
@@ -101,9 +101,8 @@ def test_errors_name_the_cause(tmp_path, monkeypatch, capsys):
         gen_data.server_answers("http://127.0.0.1:9", [[1]], [2], max_new_tokens=1, temperature=0.0, seed=0)
 
     save_prompts(tmp_path / "train.jsonl", PROMPTS)
-    monkeypatch.setenv("DSPINE_PROMPTS_DIR", str(tmp_path))
     args = type("Args", (), dict(samples_per_prompt=3, temperature=0.0, num_prompts=None, seed=0, server=None,
-                                 out=str(tmp_path / "d.jsonl")))()
+                                 out=str(tmp_path / "d.jsonl"), prompts_dir=str(tmp_path)))()
     assert cmd_gen_data(args) == 2
     assert "--samples-per-prompt > 1 with greedy decoding" in capsys.readouterr().err
     args.samples_per_prompt, args.top_p, args.top_k = 1, 0.95, 0
@@ -157,3 +156,21 @@ def test_server_gets_the_sampling_settings():
         (1.0, 0.95, 20, 7)
     assert (params[1]["top_p"], params[1]["top_k"]) == (1.0, -1)    # off, in SGLang's terms
     assert "top_p" not in params[2] and "sampling_seed" not in params[2]   # greedy: no sampling settings
+
+
+def test_records_carry_their_targets_identity(smollm2, sglang_stub, tmp_path):
+    from dspine.engine.targets import target_identity
+
+    target, _, _ = smollm2
+    url, _ = sglang_stub
+    save_prompts(tmp_path / "train.jsonl", PROMPTS)
+    args = type("Args", (), dict(samples_per_prompt=1, temperature=0.0, top_p=1.0, top_k=0, num_prompts=None, seed=0,
+                                 server=url, target=None, max_prompt_tokens=384, max_new_tokens=4, batch_size=2,
+                                 concurrency=1, quiet=True, device=None, out=str(tmp_path / "d.jsonl"),
+                                 prompts_dir=str(tmp_path), data_dir=None))()
+    assert cmd_gen_data(args) == 0
+    records = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    identity = target_identity(target.config, "smollm2-135m-instruct")
+    assert [r["id"] for r in records] == [p.id for p in PROMPTS]
+    assert all(r["target"] == {"name": "smollm2-135m-instruct", "fingerprint": identity["fingerprint"]}
+               for r in records)

@@ -5,7 +5,6 @@ built). GPU host, full shapes: `TRITON_INTERPRET=0 pytest -m gpu tests/test_kern
 Outputs are pre-filled with NaN (-1 for indices) so an unwritten element fails.
 """
 
-import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is built
@@ -17,7 +16,11 @@ pytest.importorskip("triton")
 
 from dspine.model.config import DSpineConfig  # noqa: E402
 from dspine.model.drafter import DSpineDrafter  # noqa: E402
+from dspine import env  # noqa: E402
+from dspine.kernels import dispatch  # noqa: E402
 from dspine.kernels.adjacent_injection import (  # noqa: E402
+    InjectionBlocks,
+    Tiles,
     adjacent_injection,
     adjacent_injection_reference,
     blocks_for,
@@ -29,7 +32,8 @@ from dspine.kernels.adjacent_injection import (  # noqa: E402
     transfer_features_reference,
 )
 from dspine.kernels.transition_select import transition_path, transition_path_reference  # noqa: E402
-from dspine.model.transition import TransitionScorer, select_tokens  # noqa: E402
+from dspine.model.selection import select_tokens  # noqa: E402
+from dspine.model.transition import TransitionScorer  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Relative-norm tolerance of the injected hidden states. bf16: the kernel rounds once where the
@@ -268,18 +272,18 @@ def test_adjacent_injection_gpu(n, hidden, vocab, top_k):
     assert _rel(out, h_ref) < TOL[torch.bfloat16]
 
 
-def _check_inject_on_candidates(n, blk, hidden, vocab, rank, top_k, dtype, device="cpu", seed=0, **blocks):
+def _check_inject_on_candidates(n, blk, hidden, vocab, rank, top_k, dtype, device="cpu", seed=0, blocks=None):
     """The fused later layer against `inject_on_candidates_reference` on random candidates (repeats
     allowed: a layer-1 top-k never has them, the kernels must not care). Row 0 of the candidates is
     random too: the anchor's feature must come from `anchor_ids` alone. `blocks` overrides the
-    launch configuration (`InjectionBlocks` fields)."""
+    launch configuration (`InjectionBlocks.updated` changes)."""
     x = _injection_inputs(n, blk, hidden, vocab, rank, dtype, device, seed)
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
     cand = torch.randint(0, vocab, (n, blk - 1, top_k), generator=g).to(device)
     args = (x["h"], x["score_weight"], x["table"], x["anchor_ids"], cand, x["gate_weight"], x["gate_bias"],
             x["out_weight"])
     out = torch.full_like(x["h"], float("nan"))
-    inject_on_candidates(*args, blocks=dataclasses.replace(blocks_for(n, blk), **blocks), out=out)
+    inject_on_candidates(*args, blocks=blocks_for(n, blk).updated(**(blocks or {})), out=out)
     want = inject_on_candidates_reference(*args)
     assert not out.isnan().any()
     assert torch.equal(out[:, 0], x["h"][:, 0])
@@ -296,13 +300,14 @@ def _check_inject_on_candidates(n, blk, hidden, vocab, rank, top_k, dtype, devic
     (2, 16, 576, 3000, 256, 8, torch.bfloat16, {}),    # SmolLM2's H
     (5, 8, 64, 1500, 48, 5, torch.float32, {}),        # 40 rows, r and k not powers of two
     (4, 16, 200, 2500, 32, 8, torch.float32,           # split-K with a ragged last split, several H-tiles
-     dict(hidden_split=3, hidden_block_k=32, hidden_block_n=16, mix_block_n=16, mix_tiles_n=3)),
-    (6, 8, 64, 1000, 32, 4, torch.bfloat16, dict(hidden_split=2, hidden_block_k=32, hidden_block_m=32, mix_block_m=32)),
+     dict(hidden_split=3, hidden={"block_k": 32, "block_n": 16}, mix={"block_n": 16}, mix_tiles_n=3)),
+    (6, 8, 64, 1000, 32, 4, torch.bfloat16, dict(hidden_split=2, hidden={"block_k": 32, "block_m": 32},
+                                                 mix={"block_m": 32})),
     (2, 3, 32, 600, 16, 4, torch.float32, {}),         # one scored position
     (3, 2, 32, 500, 32, 4, torch.bfloat16, {}),        # anchor only: nothing scored
 ])
 def test_inject_on_candidates_matches_reference(n, blk, hidden, vocab, rank, top_k, dtype, blocks):
-    _check_inject_on_candidates(n, blk, hidden, vocab, rank, top_k, dtype, seed=n, **blocks)
+    _check_inject_on_candidates(n, blk, hidden, vocab, rank, top_k, dtype, seed=n, blocks=blocks)
 
 
 @interpreted
@@ -344,11 +349,11 @@ def test_inject_on_candidates_gpu(n, hidden, vocab, top_k):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("blocks", [dict(hidden_split=2), dict(hidden_split=4, hidden_block_k=256),
-                                    dict(mix_warps=4), dict(mix_tiles_n=4, mix_block_n=64)])
+@pytest.mark.parametrize("blocks", [dict(hidden_split=2), dict(hidden_split=4, hidden={"block_k": 256}),
+                                    dict(mix={"warps": 4}), dict(mix_tiles_n=4, mix={"block_n": 64})])
 def test_inject_on_candidates_gpu_variants(blocks):
     """Launch-config variants the benchmark sweeps, at 8B shapes, bs 1."""
-    _check_inject_on_candidates(1, 16, 4096, 151936, 256, 8, torch.bfloat16, device="cuda", seed=2, **blocks)
+    _check_inject_on_candidates(1, 16, 4096, 151936, 256, 8, torch.bfloat16, device="cuda", seed=2, blocks=blocks)
 
 
 @pytest.mark.gpu
@@ -376,3 +381,34 @@ def test_injection_candidates_gpu(n, hidden, vocab, top_k):
 @pytest.mark.parametrize("bs, k", [(1, 8), (64, 8), (32, 16)])
 def test_transition_path_gpu(bs, k):
     _check_selection(bs, 15, k, 1.0, device="cuda", seed=bs)
+
+
+def test_kernel_mode_comes_from_the_declared_variable(monkeypatch):
+    """DSPINE_KERNELS through `dspine.env`: a bad value names the variable; `forced` overrides it
+    within its block only, nested blocks restore the outer mode, and a bad forced mode is refused."""
+    x = torch.zeros(2)
+    monkeypatch.setenv("DSPINE_KERNELS", "cuda")
+    with pytest.raises(env.EnvError, match="DSPINE_KERNELS='cuda'"):
+        dispatch.use_triton(x)
+    monkeypatch.setenv("DSPINE_KERNELS", "TORCH")
+    assert dispatch.kernel_mode() == "torch" and not dispatch.use_triton(x)
+    with dispatch.forced("triton"):
+        assert dispatch.kernel_mode() == "triton" and dispatch.use_triton(x)
+        with dispatch.forced("auto"):
+            assert not dispatch.use_triton(x)                   # auto: CPU tensors take the reference
+        assert dispatch.use_triton(x)
+    assert dispatch.kernel_mode() == "torch"
+    with pytest.raises(ValueError, match="cuda"):
+        with dispatch.forced("cuda"):
+            pass
+    monkeypatch.delenv("DSPINE_KERNELS")
+    assert dispatch.kernel_mode() == "auto"
+
+
+def test_injection_blocks_updated_replaces_launch_fields():
+    base = blocks_for(2, 16)
+    got = base.updated(hidden={"block_k": 256}, hidden_split=4, mix_tiles_n=2)
+    assert got.hidden == Tiles(base.hidden.block_m, base.hidden.block_n, 256, base.hidden.warps, base.hidden.stages)
+    assert (got.hidden_split, got.mix_tiles_n) == (4, 2)
+    assert (got.topk, got.gate, got.mix) == (base.topk, base.gate, base.mix)
+    assert InjectionBlocks().topk == Tiles(block_m=16, block_n=64, block_k=128, warps=4, stages=3)

@@ -20,7 +20,8 @@ pytest.importorskip("triton")
 from dspine.kernels import logits_topk as topk_module  # noqa: E402
 from dspine.kernels.logits_topk import logits_topk, logits_topk_reference, topk_grid  # noqa: E402
 from dspine.kernels.topk_keys import ordered_keys_reference  # noqa: E402
-from dspine.model.transition import TransitionScorer, select_tokens  # noqa: E402
+from dspine.model.selection import select_tokens  # noqa: E402
+from dspine.model.transition import TransitionScorer  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dspine.kernels.transition_select import conditional_log_probs, transition_path_reference
-from dspine.model.transition import SuccessorTable, TransitionScorer, select_tokens
+from dspine.model.selection import select_tokens
+from dspine.model.transition import SuccessorTable, TransitionScorer
 
 
 def _lattice(bs=3, n=4, k=3, vocab=50, seed=0):

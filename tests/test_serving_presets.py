@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dspine.serve import presets as sp
+from dspine.dynamic.switch import write_forced_switch, write_switch_file
+from dspine.serve import launch, presets as sp
 from dspine.serve.flags import read_draft_block_size
 
 LAUNCHER = ["sglang", "serve"]
@@ -31,11 +32,11 @@ def make_draft(tmp_path: Path, block_size: int | None = 16, where: str = "dspine
     return str(draft)
 
 
-def command(preset: str, *user: str, environ: dict | None = None) -> sp.ServeCommand:
-    return sp.build_serve_command(sp.load_preset(preset), list(user), launcher=LAUNCHER, environ=environ or {})
+def command(preset: str, *user: str, environ: dict | None = None) -> launch.ServeCommand:
+    return launch.build_serve_command(sp.load_preset(preset), list(user), launcher=LAUNCHER, environ=environ or {})
 
 
-def value(cmd: sp.ServeCommand, flag: str) -> str | None:
+def value(cmd: launch.ServeCommand, flag: str) -> str | None:
     args = cmd.args
     return args[args.index(flag) + 1] if flag in args else None
 
@@ -104,10 +105,10 @@ def test_alias_spellings_replace_the_preset_flag(tmp_path):
 
 
 def test_parse_sglang_flags():
-    assert sp.parse_sglang_flags(["--a", "1", "--b", "--c=x", "--d", "1", "-2", "--", "--a", "3"]) == {
+    assert launch.parse_sglang_flags(["--a", "1", "--b", "--c=x", "--d", "1", "-2", "--", "--a", "3"]) == {
         "--b": [], "--c": ["x"], "--d": ["1", "-2"], "--a": ["3"]}
     with pytest.raises(sp.PresetError, match="unexpected argument 'stray'"):
-        sp.parse_sglang_flags(["stray"])
+        launch.parse_sglang_flags(["stray"])
 
 
 def test_render_is_the_exact_shell_command(tmp_path):
@@ -138,7 +139,7 @@ def test_block_size_mismatch_names_flag_and_fix(tmp_path):
 def test_num_draft_tokens_defaults_to_the_checkpoint(tmp_path):
     preset = sp.load_preset("qwen3-8b")
     del preset.flags["--speculative-num-draft-tokens"]
-    cmd = sp.build_serve_command(preset, ["--speculative-draft-model-path", make_draft(tmp_path, block_size=8),
+    cmd = launch.build_serve_command(preset, ["--speculative-draft-model-path", make_draft(tmp_path, block_size=8),
                                           "--speculative-draft-window-size", "4"], LAUNCHER, {})
     assert cmd.errors == ["--speculative-draft-window-size 4 is smaller than the verify block "
                           "(--speculative-num-draft-tokens 8): the draft could not see its own block. "
@@ -160,7 +161,7 @@ def test_replayssm_ring_must_be_a_power_of_two_at_least_twice_the_verify_width(t
 def test_replayssm_default_ring_is_too_short_for_16(tmp_path):
     preset = sp.load_preset("qwen3.8-27b")
     del preset.flags["--linear-replayssm-cache-len"]
-    cmd = sp.build_serve_command(preset, ["--speculative-draft-model-path", make_draft(tmp_path)], LAUNCHER, {})
+    cmd = launch.build_serve_command(preset, ["--speculative-draft-model-path", make_draft(tmp_path)], LAUNCHER, {})
     assert len(cmd.errors) == 1 and "--linear-replayssm-cache-len 16 (the default)" in cmd.errors[0]
 
 
@@ -174,27 +175,35 @@ def test_replayssm_needs_static_verify(tmp_path):
 
 
 def test_the_speculation_switch_is_checked_before_launch(tmp_path):
-    """DSPINE_DYNAMIC / DSPINE_SWITCH in the environment: the same rules the worker applies, named
-    before anything starts (a missing switch file, both set, a hybrid ReplaySSM target)."""
+    """The switch file DSPINE_DYNAMIC names: the same rules the worker applies, named before anything
+    starts (a missing or malformed file, a hybrid ReplaySSM target, plain steps longer than a block)."""
     draft = make_draft(tmp_path)
+    for name, steps in (("round.json", [16, 64]), ("plain.json", [1, 4])):
+        (tmp_path / name).write_text(json.dumps({"sample_batch_tokens": steps, "sample_steps_per_sec": [100.0, 50.0],
+                                                 "max_batch_tokens": steps[-1]}))
     switch = tmp_path / "switch.json"
-    switch.write_text("{}")
+    write_switch_file(switch, round_table="round.json", plain_table="plain.json", calibration=None,
+                      prior_survival=[0.5] * 15)
     assert command("qwen3-8b", "--speculative-draft-model-path", draft, environ={"DSPINE_DYNAMIC": str(switch)}).errors == []
     missing = command("qwen3-8b", "--speculative-draft-model-path", draft,
                       environ={"DSPINE_DYNAMIC": str(tmp_path / "none.json")})
     assert len(missing.errors) == 1 and "no such file" in missing.errors[0]
-    both = command("qwen3-8b", "--speculative-draft-model-path", draft,
-                   environ={"DSPINE_DYNAMIC": str(switch), "DSPINE_SWITCH": "plain"})
-    assert len(both.errors) == 1 and "both set" in both.errors[0]
-    hybrid = command("qwen3.8-27b", "--speculative-draft-model-path", draft, environ={"DSPINE_SWITCH": "plain"})
+    malformed = tmp_path / "malformed.json"
+    malformed.write_text(json.dumps({"force": "plain", "round_table": "round.json"}))
+    bad = command("qwen3-8b", "--speculative-draft-model-path", draft, environ={"DSPINE_DYNAMIC": str(malformed)})
+    assert len(bad.errors) == 1 and "unknown field(s) ['round_table'] in a forced switch file" in bad.errors[0]
+    plain1, plain8 = tmp_path / "plain1.json", tmp_path / "plain8.json"
+    write_forced_switch(plain1, "plain")
+    write_forced_switch(plain8, "plain", plain_tokens=8)
+    hybrid = command("qwen3.8-27b", "--speculative-draft-model-path", draft, environ={"DSPINE_DYNAMIC": str(plain1)})
     assert len(hybrid.errors) == 1 and "hybrid linear-attention" in hybrid.errors[0]
-    plain8 = {"DSPINE_SWITCH": "plain", "DSPINE_PLAIN_TOKENS": "8"}
-    assert command("qwen3-8b", "--speculative-draft-model-path", draft, environ=plain8).errors == []
+    assert command("qwen3-8b", "--speculative-draft-model-path", draft, environ={"DSPINE_DYNAMIC": str(plain8)}).errors == []
     (tmp_path / "b4").mkdir()
     long = command("qwen3-8b", "--speculative-draft-model-path", make_draft(tmp_path / "b4", block_size=4),
-                   "--speculative-num-draft-tokens", "4", environ=plain8)
-    assert long.errors == ["DSPINE_PLAIN_TOKENS=8 exceeds --speculative-num-draft-tokens 4: SGLang reserves one "
-                           "block of KV slots per request and step. Fix: DSPINE_PLAIN_TOKENS=4 or less"]
+                   "--speculative-num-draft-tokens", "4", environ={"DSPINE_DYNAMIC": str(plain8)})
+    assert long.errors == ["DSPINE_DYNAMIC: the switch file's plain_tokens=8 exceeds --speculative-num-draft-tokens 4: "
+                           "SGLang reserves one block of KV slots per request and step. Fix: a switch file with "
+                           "plain_tokens 4 or less"]
 
 
 @pytest.mark.parametrize("flags, needle", [
@@ -292,14 +301,14 @@ def test_own_preset_file_with_relative_draft_and_flag_values(tmp_path):
     assert preset.flags == {"--speculative-algorithm": ["DSPINE"], "--enable-metrics": [],
                             "--cuda-graph-bs": ["1", "2"], "--json-model-override-args": ['{"a": 1}']}
     assert preset.env == {"X": "1"}
-    assert sp.build_serve_command(preset, [], LAUNCHER, {}).errors == []
+    assert launch.build_serve_command(preset, [], LAUNCHER, {}).errors == []
 
 
 # --- the CLI entry points ----------------------------------------------------------------------
 
 def parse(*argv: str):
     parser = argparse.ArgumentParser()
-    sp.add_serve_arguments(parser)
+    launch.add_serve_arguments(parser)
     return parser.parse_known_args(list(argv))
 
 
@@ -307,56 +316,56 @@ def test_dry_run_prints_the_command_and_exits_0(tmp_path, capsys):
     args, extra = parse("--preset", "qwen3-8b", "--dry-run", "--speculative-draft-model-path", make_draft(tmp_path),
                         "--port", "31000")
     assert extra[-2:] == ["--port", "31000"]
-    assert sp.run_serve(args, extra) == 0
+    assert launch.run_serve(args, extra) == 0
     out = capsys.readouterr().out
     assert "--speculative-algorithm DSPINE" in out and "--port 31000" in out
 
 
 def test_invalid_combination_exits_2_without_launching(capsys):
     args, extra = parse("--preset", "qwen3-8b")  # placeholder draft, and no --dry-run: must not exec
-    assert sp.run_serve(args, extra) == 2
+    assert launch.run_serve(args, extra) == 2
     assert "nothing launched" in capsys.readouterr().err
 
 
 def test_unknown_preset_exits_2(capsys):
     args, extra = parse("--preset", "nope", "--dry-run")
-    assert sp.run_serve(args, extra) == 2
+    assert launch.run_serve(args, extra) == 2
     assert "available:" in capsys.readouterr().err
 
 
 def test_list_presets(capsys):
     args, extra = parse("--list-presets")
-    assert sp.run_serve(args, extra) == 0
+    assert launch.run_serve(args, extra) == 0
     assert capsys.readouterr().out.split() == sp.available_presets()
 
 
 def test_launch_refuses_without_sglang(tmp_path, monkeypatch, capsys):
     def version(name):
-        raise sp.importlib.metadata.PackageNotFoundError(name)
+        raise launch.importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(sp.importlib.metadata, "version", version)
-    monkeypatch.setattr(sp.os, "execve", lambda *a: pytest.fail("must not exec"))
+    monkeypatch.setattr(launch.importlib.metadata, "version", version)
+    monkeypatch.setattr(launch.os, "execve", lambda *a: pytest.fail("must not exec"))
     args, extra = parse("--preset", "qwen3-8b", "--speculative-draft-model-path", make_draft(tmp_path))
-    assert sp.run_serve(args, extra) == 1
+    assert launch.run_serve(args, extra) == 1
     assert "sglang is not installed in this Python" in capsys.readouterr().err
 
 
 def test_launch_refuses_without_the_plugin_entry_point(monkeypatch):
-    monkeypatch.setattr(sp.importlib.metadata, "version", lambda name: "0.5.22")
-    monkeypatch.setattr(sp.importlib.metadata, "entry_points", lambda group: [])
-    message = sp.check_sglang_installed()
+    monkeypatch.setattr(launch.importlib.metadata, "version", lambda name: "0.5.22")
+    monkeypatch.setattr(launch.importlib.metadata, "entry_points", lambda group: [])
+    message = launch.check_sglang_installed()
     assert "entry point sglang.srt.plugins: dspine = dspine.sglang.plugin:register is missing" in message
-    assert sp.check_sglang_installed(needs_plugin=False) is None
+    assert launch.check_sglang_installed(needs_plugin=False) is None
 
 
 def test_launch_execs_the_printed_command(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(sp, "check_sglang_installed", lambda needs_plugin=True: None)
-    monkeypatch.setattr(sp, "sglang_launcher", lambda: ["/opt/bin/sglang", "serve"])
-    monkeypatch.setattr(sp.os, "execve", lambda path, argv, env: calls.append((path, argv, env)))
+    monkeypatch.setattr(launch, "check_sglang_installed", lambda needs_plugin=True: None)
+    monkeypatch.setattr(launch, "sglang_launcher", lambda: ["/opt/bin/sglang", "serve"])
+    monkeypatch.setattr(launch.os, "execve", lambda path, argv, env: calls.append((path, argv, env)))
     args, extra = parse("--preset", "qwen3.8-27b", "--speculative-draft-model-path", make_draft(tmp_path))
     monkeypatch.delenv("SGLANG_RAGGED_VERIFY_MODE", raising=False)
-    sp.run_serve(args, extra)
+    launch.run_serve(args, extra)
     (path, argv, env), = calls
     assert path == "/opt/bin/sglang" and argv[:4] == ["/opt/bin/sglang", "serve", "--model-path", "Qwen/Qwen3.8-27B"]
     assert env["SGLANG_RAGGED_VERIFY_MODE"] == "static"

@@ -10,9 +10,11 @@ import math
 import pytest
 import torch
 
-from dspine.dynamic.verification import PositionCalibration, SpsCostTable
-from dspine.dynamic.switch import ServingSwitch, SwitchConfig, SwitchConfigError, write_switch_file
-from dspine.serve.flags import FlagError, resolve_plain_tokens, resolve_step_switch
+from dspine.dynamic.calibration import PositionCalibration
+from dspine.dynamic.cost_tables import SpsCostTable
+from dspine.dynamic.switch import (ForcedSwitch, ServingSwitch, SwitchConfig, SwitchConfigError, load_switch,
+                                   write_forced_switch, write_switch_file)
+from dspine.serve.flags import FlagError, check_plain_tokens, resolve_step_switch
 
 BLOCK = 4                                   # anchor + 3 proposals
 PLAIN = SpsCostTable((1, 4, 16), (1000.0, 800.0, 400.0), 16)               # T_plain: 1.0 / 1.25 / 2.5 ms
@@ -51,7 +53,7 @@ def test_confident_requests_draft_every_step_and_observe_updates_them():
     switch = ServingSwitch(config([0.3, 0.1, 0.0]), BLOCK)
     rids = ["a", "b", "c", "d"]
     assert switch.decide(rids) is False
-    switch.skip, switch.probe_due = 0, False
+    switch.state.skip, switch.state.probe_due = 0, False
     switch.observe(rids, torch.full((4, 3), 4.0))
     p = 1 / (1 + math.exp(-4.0))
     assert switch.expected["a"] == pytest.approx(p + p * p + p ** 3)
@@ -96,14 +98,19 @@ def test_memory_is_bounded_to_running_requests():
     assert set(switch.expected) == {"0", "1"}
 
 
+def write_tables(folder) -> None:
+    """ROUND and PLAIN as round.json / plain.json, a calibration as sts.json, in `folder`."""
+    (folder / "round.json").write_text(json.dumps({"sample_batch_tokens": [4, 16, 64],
+                                                   "sample_steps_per_sec": [400.0, 300.0, 100.0],
+                                                   "max_batch_tokens": 64}))
+    (folder / "plain.json").write_text(json.dumps({"sample_batch_tokens": [1, 4, 16],
+                                                   "sample_steps_per_sec": [1000.0, 800.0, 400.0],
+                                                   "max_batch_tokens": 16}))
+    PositionCalibration((1.0, 2.0, 3.0)).save(folder / "sts.json")
+
+
 def test_switch_file_round_trip_and_errors(tmp_path):
-    (tmp_path / "round.json").write_text(json.dumps({"sample_batch_tokens": [4, 16, 64],
-                                                     "sample_steps_per_sec": [400.0, 300.0, 100.0],
-                                                     "max_batch_tokens": 64}))
-    (tmp_path / "plain.json").write_text(json.dumps({"sample_batch_tokens": [1, 4, 16],
-                                                     "sample_steps_per_sec": [1000.0, 800.0, 400.0],
-                                                     "max_batch_tokens": 16}))
-    PositionCalibration((1.0, 2.0, 3.0)).save(tmp_path / "sts.json")
+    write_tables(tmp_path)
     path = tmp_path / "switch.json"
     write_switch_file(path, round_table="round.json", plain_table="plain.json", calibration="sts.json",
                       prior_survival=[0.5, 0.25, 0.1])
@@ -120,7 +127,7 @@ def test_switch_file_round_trip_and_errors(tmp_path):
     with pytest.raises(SwitchConfigError, match="non-increasing"):
         write_switch_file(tmp_path / "bad.json", round_table="round.json", plain_table="plain.json",
                           calibration=None, prior_survival=[0.2, 0.5, 0.1])
-    assert not (tmp_path / "bad.json").exists() and not (tmp_path / "bad.json.tmp").exists()
+    assert list(tmp_path.glob("*bad.json*")) == []                     # validated before anything is written
     with pytest.raises(SwitchConfigError, match="3 positions but prior_survival 2"):
         write_switch_file(tmp_path / "w.json", round_table="round.json", plain_table="plain.json",
                           calibration="sts.json", prior_survival=[0.5, 0.2])
@@ -135,31 +142,96 @@ def test_switch_file_round_trip_and_errors(tmp_path):
         ServingSwitch(loaded, 5)
 
 
+def test_forced_switch_files(tmp_path):
+    """{"force": "plain", "plain_tokens": K} / {"force": "draft"}: written, read back, and every bad
+    field named (before anything is written)."""
+    path = tmp_path / "forced.json"
+    write_forced_switch(path, "plain", plain_tokens=8)
+    assert json.loads(path.read_text()) == {"force": "plain", "plain_tokens": 8}
+    assert load_switch(path) == ForcedSwitch("plain", 8) and load_switch(path).policy == "plain"
+    write_forced_switch(path, "plain")
+    assert load_switch(path).plain_tokens == 1
+    write_forced_switch(path, "draft")
+    assert json.loads(path.read_text()) == {"force": "draft"}
+    assert load_switch(path) == ForcedSwitch("draft") and load_switch(path).plain_tokens is None
+    path.write_text(json.dumps({"force": "plain"}))
+    assert load_switch(path) == ForcedSwitch("plain", 1)
+    for bad_tokens in (0, -2, "eight", True):
+        with pytest.raises(SwitchConfigError, match="plain_tokens"):
+            write_forced_switch(tmp_path / "k.json", "plain", plain_tokens=bad_tokens)
+    with pytest.raises(SwitchConfigError, match="no plain step runs. Fix: drop plain_tokens"):
+        write_forced_switch(tmp_path / "k.json", "draft", plain_tokens=8)
+    with pytest.raises(SwitchConfigError, match="'sometimes'"):
+        write_forced_switch(tmp_path / "k.json", "sometimes")
+    assert not (tmp_path / "k.json").exists()
+    path.write_text(json.dumps({"force": "plain", "plain_tokens": 4, "round_table": "round.json"}))
+    with pytest.raises(SwitchConfigError, match=r"unknown field\(s\) \['round_table'\] in a forced switch file"):
+        load_switch(path)
+    path.write_text(json.dumps({"force": "draft", "plain_tokens": 4}))
+    with pytest.raises(SwitchConfigError, match="forced.json: plain_tokens=4 with force"):
+        load_switch(path)
+    write_forced_switch(path, "plain", plain_tokens=2)
+    with pytest.raises(SwitchConfigError, match="a forced switch file"):
+        SwitchConfig.load(path)
+
+
 def test_server_environment_rules(tmp_path):
-    switch_file = tmp_path / "switch.json"
-    switch_file.write_text("{}")
-    assert resolve_step_switch({}) == ("static", None)
-    assert resolve_step_switch({"DSPINE_SWITCH": "plain"}) == ("plain", None)
-    assert resolve_step_switch({"DSPINE_DYNAMIC": str(switch_file)}) == ("dynamic", str(switch_file))
-    with pytest.raises(FlagError, match="both set"):
-        resolve_step_switch({"DSPINE_DYNAMIC": str(switch_file), "DSPINE_SWITCH": "plain"})
-    with pytest.raises(FlagError, match="'sometimes'"):
-        resolve_step_switch({"DSPINE_SWITCH": "sometimes"})
-    with pytest.raises(FlagError, match="no such file"):
+    """DSPINE_DYNAMIC names the switch file: unset -> static, else the file decides (dynamic or
+    forced); a missing or malformed file is a FlagError naming the variable."""
+    write_tables(tmp_path)
+    dynamic, forced = tmp_path / "switch.json", tmp_path / "forced.json"
+    write_switch_file(dynamic, round_table="round.json", plain_table="plain.json", calibration=None,
+                      prior_survival=[0.5, 0.2, 0.1], plain_tokens=3)
+    write_forced_switch(forced, "plain")
+    assert resolve_step_switch({}) is None
+    assert resolve_step_switch({"DSPINE_DYNAMIC": str(forced)}) == ForcedSwitch("plain", 1)
+    loaded = resolve_step_switch({"DSPINE_DYNAMIC": str(dynamic)})
+    assert loaded == SwitchConfig.load(dynamic) and loaded.policy == "dynamic"
+    with pytest.raises(FlagError, match="DSPINE_DYNAMIC=.*nope.json: no such file"):
         resolve_step_switch({"DSPINE_DYNAMIC": str(tmp_path / "nope.json")})
+    (tmp_path / "odd.json").write_text(json.dumps({"force": "sometimes"}))
+    with pytest.raises(FlagError, match="DSPINE_DYNAMIC: .*odd.json: force='sometimes'"):
+        resolve_step_switch({"DSPINE_DYNAMIC": str(tmp_path / "odd.json")})
 
 
-def test_plain_tokens_come_from_the_environment_only_for_forced_plain_steps(tmp_path):
-    switch_file = tmp_path / "switch.json"
-    switch_file.write_text("{}")
-    assert resolve_plain_tokens({}) is None
-    assert resolve_plain_tokens({"DSPINE_DYNAMIC": str(switch_file)}) is None
-    assert resolve_plain_tokens({"DSPINE_SWITCH": "plain"}) == 1
-    assert resolve_plain_tokens({"DSPINE_SWITCH": "plain", "DSPINE_PLAIN_TOKENS": "8"}) == 8
-    for value in ("0", "-2", "eight"):
-        with pytest.raises(FlagError, match="positive integer"):
-            resolve_plain_tokens({"DSPINE_SWITCH": "plain", "DSPINE_PLAIN_TOKENS": value})
-    with pytest.raises(FlagError, match="the switch file"):
-        resolve_plain_tokens({"DSPINE_DYNAMIC": str(switch_file), "DSPINE_PLAIN_TOKENS": "8"})
-    with pytest.raises(FlagError, match="only plain steps"):
-        resolve_plain_tokens({"DSPINE_PLAIN_TOKENS": "8"})
+def test_plain_tokens_come_from_the_switch_file(tmp_path):
+    """Target tokens per plain step: the forced plain file's or the dynamic file's `plain_tokens`,
+    none without a switch file or with a forced draft one; at most the verify width."""
+    write_tables(tmp_path)
+    write_switch_file(tmp_path / "switch.json", round_table="round.json", plain_table="plain.json",
+                      calibration=None, prior_survival=[0.5, 0.2, 0.1], plain_tokens=3)
+    write_forced_switch(tmp_path / "plain8.json", "plain", plain_tokens=8)
+    write_forced_switch(tmp_path / "draft.json", "draft")
+    tokens = {name: resolve_step_switch({"DSPINE_DYNAMIC": str(tmp_path / name)}).plain_tokens
+              for name in ("switch.json", "plain8.json", "draft.json")}
+    assert tokens == {"switch.json": 3, "plain8.json": 8, "draft.json": None}
+    for switch in (None, ForcedSwitch("draft"), ForcedSwitch("plain", 4), SwitchConfig.load(tmp_path / "switch.json")):
+        check_plain_tokens(switch, 4)
+    with pytest.raises(FlagError, match="plain_tokens=8 exceeds --speculative-num-draft-tokens 4"):
+        check_plain_tokens(ForcedSwitch("plain", 8), 4)
+
+
+def test_one_backoff_rule_for_the_worker_and_the_reference_engine():
+    """`DraftOrPlain` is the state of both callers. A drafting step that loses backs off by
+    ceil(loss / (probe_share x T_plain)) plain steps, then probes; a measured time larger than the
+    prediction sets the loss (here 1 ms predicted, 3 ms measured, 2 tokens against 1 ms plain steps:
+    losses 0 and 1 ms -> 0 and ceil(1 / 0.5) = 2 plain steps)."""
+    from dspine.dynamic.backoff import BackoffRule, DraftEstimate, DraftOrPlain
+    from dspine.dynamic.planner import DynamicVerifier, VerifyPlanner
+
+    assert isinstance(ServingSwitch(config([0.5, 0.2, 0.1]), BLOCK).state, DraftOrPlain)
+    assert isinstance(DynamicVerifier(VerifyPlanner(), plain_table=PLAIN).state, DraftOrPlain)
+    rule = BackoffRule(probe_share=0.5, max_backoff=8)
+    predicted = DraftEstimate(seconds=1e-3, tokens=2.0, rows=1, plain_seconds=1e-3)
+    assert predicted.loss == pytest.approx(-1e-3) and rule.plain_steps(predicted) == 0
+    assert predicted.measured(0.5e-3) == predicted                      # only a larger time counts
+    measured = predicted.measured(3e-3)
+    assert measured.loss == pytest.approx(1e-3) and rule.plain_steps(measured) == 2
+    state = DraftOrPlain(rule)
+    pattern = "".join("D" if state.decide(lambda: measured) else "P" for _ in range(6))
+    assert pattern == "PPDPPD" and (state.drafts, state.plains) == (2, 4)
+    asked = []
+    state = DraftOrPlain(rule)
+    assert state.decide(lambda: asked.append(1)) is True and asked == [1]   # nothing known: draft
+    with pytest.raises(ValueError, match="probe_share"):
+        BackoffRule(probe_share=1.5)

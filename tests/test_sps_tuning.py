@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shlex
 import threading
 import time
 from pathlib import Path
@@ -13,12 +14,10 @@ import pytest
 from conftest import JsonHandler, start_server
 
 from dspine.cli import main as dspine_main
-from dspine.dynamic.verification import (
-    PositionCalibration,
-    SpsCostTable,
-    load_sps_table,
-)
-from dspine.serve.tune_sps import fit_additive, new_step_times
+from dspine.dynamic.calibration import PositionCalibration
+from dspine.dynamic.cost_tables import SpsCostTable, load_sps_table
+from dspine.serve.sps_fit import fit_additive
+from dspine.serve.sps_measure import new_step_times
 
 TRACE = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "sharegpt_dev.jsonl"
 VERIFY = 4           # stub's speculative_num_draft_tokens
@@ -109,6 +108,60 @@ def stub(request):
     server.close()
 
 
+# The flags and variables through which a DSPINE server takes the tuned files and the deployment
+# (read by the plugin and the worker); SGLang's `--speculative-dspark-*` flags are not among them.
+DSPINE_READS_FLAGS = {"--preset", "--model-path", "--speculative-algorithm", "--speculative-draft-model-path",
+                      "--speculative-num-draft-tokens"}
+
+
+def assert_dspine_honours(command: str, switch: Path | None = None, serve_args: tuple[str, ...] = ()) -> None:
+    """`command` (`[DSPINE_DYNAMIC=FILE] sglang serve ...` or `... dspine serve --preset ...`) holds only
+    flags a DSPINE server reads (plus `serve_args`), sets DSPINE_DYNAMIC to `switch` (a dynamic switch
+    file) iff one is given, and passes `dspine serve`'s checks in that environment."""
+    from dspine.dynamic.switch import SwitchConfig
+    from dspine.serve import launch, presets
+
+    tokens = shlex.split(command)
+    assignments = [t for t in tokens[: next(i for i, t in enumerate(tokens) if "=" not in t)]]
+    environ = dict(a.split("=", 1) for a in assignments)
+    assert environ == ({} if switch is None else {"DSPINE_DYNAMIC": str(switch.resolve())})
+    if switch is not None:
+        SwitchConfig.load(environ["DSPINE_DYNAMIC"])
+    program = tokens[len(assignments):]
+    assert program[:2] in (["sglang", "serve"], ["dspine", "serve"])
+    flags = launch.parse_sglang_flags(program[2:])
+    extra = set(launch.parse_sglang_flags(list(serve_args)))
+    assert set(flags) <= DSPINE_READS_FLAGS | extra, set(flags) - DSPINE_READS_FLAGS - extra
+    assert not any("dspark" in flag for flag in flags)
+    if program[:2] == ["sglang", "serve"]:
+        errors, _ = presets.validate_flags(flags, environ)
+    else:
+        preset = presets.load_preset(flags.pop("--preset")[0])
+        user = [t for flag, values in flags.items() for t in (flag, *values)]
+        errors = launch.build_serve_command(preset, user, ["sglang", "serve"], environ).errors
+    assert errors == []
+
+
+def test_the_printed_preset_command_keeps_the_sweeps_sglang_flags(tmp_path):
+    """With --preset: `dspine serve --preset NAME` plus the sglang flags the sweep's server ran with,
+    and DSPINE_DYNAMIC when a switch file was written."""
+    from dspine.dynamic.switch import write_switch_file
+    from dspine.serve.tune_sps import serve_command
+
+    for name, steps in (("round.json", [16, 64]), ("plain.json", [1, 4])):
+        (tmp_path / name).write_text(json.dumps({"sample_batch_tokens": steps, "sample_steps_per_sec": [100.0, 50.0],
+                                                 "max_batch_tokens": steps[-1]}))
+    switch = tmp_path / "switch.json"
+    write_switch_file(switch, round_table="round.json", plain_table="plain.json", calibration=None,
+                      prior_survival=[0.5] * 15, plain_tokens=4)
+    serve_args = ("--max-running-requests", "8")
+    command = serve_command("smollm2-135m", list(serve_args), {}, switch)
+    assert command == (f"DSPINE_DYNAMIC={switch.resolve()} dspine serve --preset smollm2-135m "
+                       "--max-running-requests 8")
+    assert_dspine_honours(command, switch=switch, serve_args=serve_args)
+    assert serve_command("smollm2-135m", [], {}, None) == "dspine serve --preset smollm2-135m"
+
+
 def tune(stub, out, *extra):
     return dspine_main(["tune-sps", "--url", stub.url, "--traces", str(TRACE), "--out", str(out), "--quiet",
                         "--requests-per-level", "8", "--max-tokens", "32", *extra])
@@ -127,8 +180,10 @@ def test_server_step_times_resume_manifest_and_command(stub, tmp_path, capsys):
     rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     assert {r["source"] for r in rows} == {"server_step_time"}
     assert set(rows[0]) >= {"batch_size_per_rank", "batch_tokens", "steps_per_sec", "frac"}
-    assert f"--speculative-dspark-sps-table-path {(out / 'sps_table.json').resolve()}" in first
-    assert f"--speculative-dspark-confidence-sts-path {(out / 'sts.json').resolve()}" in first
+    command = first.strip().splitlines()[-1]
+    assert command == ("sglang serve --model-path stub/target --speculative-algorithm DSPINE "
+                       "--speculative-draft-model-path stub/drafter --speculative-num-draft-tokens 4")
+    assert_dspine_honours(command)                       # no switch file yet: static, and a note says why
 
     cal = PositionCalibration.load(out / "sts.json")
     assert len(cal.temperatures) == len(TRUE_TEMPS) and cal.temperatures[0] < cal.temperatures[-1]
@@ -136,6 +191,7 @@ def test_server_step_times_resume_manifest_and_command(stub, tmp_path, capsys):
     affine = PositionCalibration.load(out / "sts_affine.json")
     assert len(affine.biases) == len(TRUE_TEMPS) and affine.dataset == cal.dataset
     manifest = json.loads((out / "manifest.json").read_text())
+    assert any("no switch.json (pass --plain-table)" in n for n in manifest["notes"])
     for key in ("created", "gpu", "sglang_version", "target", "drafter", "flags", "cuda_graph_sizes", "traces",
                 "concurrencies", "timing", "serve_command"):
         assert manifest[key] not in (None, "", [], {}), key
@@ -198,7 +254,7 @@ def test_the_dspine_step_clock_is_preferred_over_sglangs_log_intervals(tmp_path,
 
 
 def test_clock_totals_and_deltas():
-    from dspine.serve.tune_sps import clock_delta, clock_totals
+    from dspine.serve.sps_measure import clock_delta, clock_totals
 
     info = {"internal_states": [{"dspine_step_time_dict": {"plain": {"2": [10, 0.5]}, "draft": {}}},
                                 {"dspine_step_time_dict": {"plain": {"2": [10, 0.5], "4": [1, 0.1]}}}]}
@@ -258,7 +314,7 @@ def test_plain_table_writes_the_switch_file(stub, tmp_path, capsys):
     assert tune(stub, drafting, "--concurrencies", "1,4", "--acceptance-requests", "8",
                 "--plain-table", str(plain / "sps_table.json"), "--plain-tokens", "8") == 0
     printed = capsys.readouterr().out
-    assert f"DSPINE_DYNAMIC={(drafting / 'switch.json').resolve()} dspine serve" in printed
+    assert f"DSPINE_DYNAMIC={(drafting / 'switch.json').resolve()} sglang serve" in printed
     config = SwitchConfig.load(drafting / "switch.json")
     assert config.round_table == load_sps_table(drafting / "sps_table.json")
     assert config.plain_table == load_sps_table(plain / "sps_table.json")
@@ -269,6 +325,10 @@ def test_plain_table_writes_the_switch_file(stub, tmp_path, capsys):
     expected = [sum(a > j for a in accepted) / len(accepted) for j in range(len(TRUE_TEMPS))]
     assert config.prior_survival == pytest.approx(expected, abs=1e-6)
     assert json.loads((drafting / "manifest.json").read_text())["files"]["switch"] == "switch.json"
+
+    assert tune(stub, tmp_path / "k2", "--concurrencies", "1", "--acceptance-requests", "4",
+                "--plain-table", str(plain / "sps_table.json"), "--plain-tokens", "2") == 0
+    assert_dspine_honours(capsys.readouterr().out.strip().splitlines()[-1], switch=tmp_path / "k2" / "switch.json")
 
     calls = stub.chat_calls
     assert tune(stub, tmp_path / "x", "--concurrencies", "1", "--plain-table", str(tmp_path / "none.json")) == 2

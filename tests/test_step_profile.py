@@ -58,7 +58,7 @@ def test_bad_windows_and_environment(tmp_path):
     with pytest.raises(ValueError, match="0 < W0 < W1 < W2"):
         step_profile.StepProfile(tmp_path, (5, 5, 9), 1)
     assert step_profile.install_from_environment({}) is False
-    with pytest.raises(ValueError, match="three step counts"):
+    with pytest.raises(ValueError, match="DSPINE_STEP_PROFILE_WINDOWS='1,2'.*three comma-separated step counts"):
         step_profile.install_from_environment({"DSPINE_STEP_PROFILE": str(tmp_path),
                                                "DSPINE_STEP_PROFILE_WINDOWS": "1,2"})
 

@@ -10,7 +10,6 @@ half-written.
 """
 
 from __future__ import annotations
-import importlib
 
 import json
 import shutil
@@ -25,15 +24,13 @@ from safetensors.torch import load_file, save_file
 from dspine import generate
 from dspine.model.checkpoint import load_checkpoint, save_checkpoint
 from dspine.engine.proposer import DSpineProposer
+from dspine.bench import tp_padded_pair as pad
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 3, 16
 TP = 2
 HEADS_PAD, KV_PAD = 8, 4  # kv 3 -> 4 (next multiple of 2), q = 4 kv x 2 per group
 VOCAB = 128
 ATOL = 1e-5
-
-
-pad = importlib.import_module("dspine.bench.tp_padded_pair")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dspine.data.traces import (TraceError, TraceRequest, bfcl_multiturn_requests, load_traces, parse_openai_request,
-                           sharegpt_requests, tooltalk_requests)
+from dspine.data.dev_traces import bfcl_multiturn_requests, sharegpt_requests, tooltalk_requests
+from dspine.data.traces import TraceError, TraceRequest, load_traces, parse_openai_request
 
 TRACES = Path(__file__).resolve().parents[1] / "benchmarks" / "traces"
 DEV_COUNTS = {"tooltalk_dev.jsonl": (25, 7), "bfcl_multiturn_dev.jsonl": (7, 1), "sharegpt_dev.jsonl": (32, 8)}

@@ -9,7 +9,8 @@ import torch
 
 from dspine.model.checkpoint import load_checkpoint
 from dspine.train.blocks import make_block_batch
-from dspine.train.trainer import TrainConfig, train
+from dspine.train.config import TrainConfig
+from dspine.train.trainer import train
 
 
 def test_block_batch_masks_and_labels():
@@ -73,6 +74,12 @@ def test_training_reduces_loss_resumes_and_exports(tmp_path, tiny_target_dir):
         assert key in log[-1]
     model = load_checkpoint(export)
     assert model.config.block_size == 4 and model.config.injection
+    from transformers import AutoConfig
+
+    from dspine.engine.targets import target_identity
+
+    recorded = json.loads((export / "config.json").read_text())["dspine_target"]
+    assert recorded["fingerprint"] == target_identity(AutoConfig.from_pretrained(tiny_target_dir))["fingerprint"]
 
 
 def test_profile_reports_the_step_and_touches_no_run_dir(tmp_path, tiny_target_dir):
@@ -112,3 +119,66 @@ def test_heldout_tau_gives_no_free_acceptances_past_the_sequence_end(monkeypatch
     assert trainer.heldout_tau(drafter, target, records, cfg, "cpu") == 2.0
     long_records = [{"ids": list(range(10, 40)), "answer_start": 2}]
     assert trainer.heldout_tau(drafter, target, long_records, cfg, "cpu") > 2.0  # full blocks do score more
+
+
+def test_train_config_types_defaults_and_overrides(tmp_path):
+    import yaml
+
+    from dspine.train.config import TrainConfig, TrainConfigError, config_path, packaged_configs
+
+    assert set(packaged_configs()) >= {"smollm2-dspine", "smollm2-ablation"}
+    for name in packaged_configs():  # the defaults are what ships: every shipped value equals its default
+        shipped = yaml.safe_load(config_path(name).read_text())
+        defaults = TrainConfig(data="d", run_dir="r")
+        differing = {k: v for k, v in shipped.items() if k not in ("data", "run_dir", "drafter")
+                     and getattr(defaults, k) != v}
+        assert differing == {}, (name, differing)
+    path = tmp_path / "c.yaml"
+    path.write_text("data: d.jsonl\nrun_dir: r\nlr: 6e-4\ndrafter:\n  injection_top_k: 8\n")
+    cfg = TrainConfig.from_yaml(path, ["drafter.selection=argmax", "steps=7"], target="t")
+    assert cfg.lr == 6e-4 and isinstance(cfg.lr, float)  # YAML reads 6e-4 as a string
+    assert cfg.drafter == {"injection_top_k": 8, "selection": "argmax"} and cfg.steps == 7 and cfg.target == "t"
+    assert TrainConfig.from_yaml("smollm2-dspine").drafter["injection_candidates"] == "first_layer"
+    for text, message in (("lr: fast", "lr = 'fast': expected float"),
+                          ("steps: 1.5", "steps = 1.5: expected int"),
+                          ("lrr: 1", r"unknown key\(s\) \['lrr'\]; valid keys: data, run_dir"),
+                          ("drafter: {injection: 1}", "drafter.injection = 1: expected bool"),
+                          ("drafter: {block: 4}", r"drafter: unknown key\(s\) \['block'\]")):
+        path.write_text("data: d\nrun_dir: r\n" + text + "\n")
+        with pytest.raises(TrainConfigError, match=message):
+            TrainConfig.from_yaml(path)
+    with pytest.raises(TrainConfigError, match="only section is `drafter`"):
+        TrainConfig.from_yaml("smollm2-dspine", ["optim.lr=1"])
+    with pytest.raises(TrainConfigError, match="neither a file nor a packaged config.*smollm2-dspine"):
+        TrainConfig.from_yaml("no-such-config")
+
+
+def test_train_checks_data_and_target_before_loading_it(tmp_path, tiny_target_dir, monkeypatch):
+    from transformers import AutoConfig
+
+    import dspine.train.trainer as trainer
+    from dspine.engine.targets import target_identity
+    from dspine.train.config import TrainConfigError
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target was loaded before the checks")
+
+    monkeypatch.setattr(trainer, "build_training", no_load)
+    cfg = _config(tmp_path, tiny_target_dir, steps=3)
+    cfg.data = str(tmp_path / "missing.jsonl")
+    with pytest.raises(TrainConfigError, match="missing.jsonl does not exist.*dspine gen-data"):
+        train(cfg, device="cpu", progress=False)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"ids": [1, 2, 3], "answer_start": 1}\nnot json\n')
+    cfg.data = str(bad)
+    with pytest.raises(TrainConfigError, match="bad.jsonl:2: not a `dspine gen-data` record"):
+        train(cfg, device="cpu", progress=False)
+    other = target_identity(AutoConfig.for_model("llama", hidden_size=32, num_hidden_layers=2), "other-target")
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text(json.dumps({"ids": [1, 2, 3, 4], "answer_start": 1,
+                                 "target": {"name": "other-target", "fingerprint": other["fingerprint"]}}) + "\n")
+    cfg.data = str(wrong)
+    with pytest.raises(TrainConfigError, match=f"'other-target' \\(fingerprint {other['fingerprint']}\\).*"
+                                               f"{str(tiny_target_dir)!r}.*dspine gen-data --target"):
+        train(cfg, device="cpu", progress=False)
+    assert not (tmp_path / "run" / "train_config.json").exists()

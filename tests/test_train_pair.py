@@ -2,13 +2,12 @@
 and keeps its own run directory and name."""
 
 from __future__ import annotations
-import importlib
 
 import argparse
 
 import pytest
 
-pair = importlib.import_module("dspine.train.pair")
+from dspine.train import pair
 
 
 def _args(**kw):

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from dspine.model.checkpoint import load_checkpoint
-from dspine.data.datasets import EVAL_SETS, describe_prompt_sources, load_eval_set
+from dspine.data.eval_sets import EVAL_SETS, load_eval_set
+from dspine.data.prompt_sources import describe_prompt_sources
 from dspine.engine.generate import generate
 from dspine.engine.targets import chat_prompt_ids, load_target, stop_token_ids
 
@@ -36,6 +37,7 @@ def run_bench_accept(args) -> int:
         return merge_results([Path(f) for f in args.merge], Path(args.out))
     if not args.drafter:
         raise SystemExit("bench-accept: give at least one --drafter NAME=PATH (or --merge FILES)")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     target, tokenizer = load_target(args.target, dtype=dtype, device=args.device)
     drafters = {}
@@ -61,7 +63,8 @@ def run_bench_accept(args) -> int:
     stops = stop_token_ids(tokenizer, target)
     runs, parity = [], {name: {"prompts": 0, "identical": 0} for name in drafters}
     for dataset in args.datasets:
-        prompts = load_eval_set(dataset, limit=args.num_prompts)
+        prompts = load_eval_set(dataset, limit=args.num_prompts, data_dir=args.data_dir,
+                                prompts_dir=args.prompts_dir)
         ids = [chat_prompt_ids(tokenizer, p.messages) for p in prompts]
         common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=stops, seed=args.seed,
                       batch_size=args.batch_size)
@@ -82,7 +85,8 @@ def run_bench_accept(args) -> int:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": device_name(args.device), "command": " ".join(shlex.quote(a) for a in sys.argv),
               "torch": torch.__version__, "drafters": {k: v for k, v in (d.partition("=")[::2] for d in args.drafter)},
-              "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "prompt_sources": describe_prompt_sources(),
+              "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "prompt_sources": describe_prompt_sources(
+                  data_dir=args.data_dir, prompts_dir=args.prompts_dir),
               "summary": summarise(runs), "greedy_parity": parity if args.check_parity else None, "runs": runs}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -178,34 +182,3 @@ def plot(runs: list[dict], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--drafter", action="append", metavar="NAME=PATH",
-                   help="a drafter to measure (repeatable), e.g. dspine=dspine/checkpoints/dspine-smollm2-135m-instruct")
-    p.add_argument("--target", default=None)
-    p.add_argument("--datasets", nargs="+", default=list(EVAL_SETS), choices=list(EVAL_SETS))
-    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0], choices=[0.0, 1.0])
-    p.add_argument("--num-prompts", type=int, default=64, help="prompts per dataset")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
-    p.add_argument("--injection-candidates", choices=["per_layer", "first_layer"], default=None,
-                   help="override how injecting drafters find candidates (default: as trained); first_layer "
-                        "scans the vocabulary once per round instead of once per layer")
-    p.add_argument("--injection-top-k", type=int, default=None, metavar="K",
-                   help="override how many candidates each injection mixes (default: as trained); measures how "
-                        "sensitive a trained drafter is to its injection top-k")
-    p.add_argument("--selection", choices=["argmax", "transition"], default=None,
-                   help="override how drafters pick their tokens (default: as trained); argmax on a DSpine "
-                        "drafter isolates what the transition selection adds")
-    p.add_argument("--transition-lambda", type=float, default=None,
-                   help="override the transition selection's pair-score weight (default: the checkpoint's)")
-    p.add_argument("--check-parity", action="store_true",
-                   help="also decode plainly at T=0 and count prompts whose speculative output is identical")
-    p.add_argument("--out", default="benchmarks/results/acceptance_smollm2.json")
-    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
-                   help="no measuring: join result files written by separate runs (e.g. one drafter per GPU) "
-                        "into --out, recompute the summary and redraw the plot")

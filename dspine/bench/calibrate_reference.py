@@ -2,7 +2,7 @@
 
 Dynamic verification reads per-position acceptance estimates: p_j = sigmoid(logit_j / T_j + b_j) from
 the confidence head (`PositionCalibration`): temperature scaling fits T_j alone (b_j = 0, SGLang's STS
-format), the affine fit T_j and b_j. This script fits both on the traces' `tune` split and reports,
+format), the affine fit T_j and b_j. This benchmark fits both on the traces' `tune` split and reports,
 for each, on their `heldout` split, for
 every proposal position j: the predicted probability that a round gets past j (the calibrated
 survival, mean over rounds), the observed rate, their gap in points, and the survival ECE before
@@ -10,7 +10,7 @@ and after calibration. No server: the reference engine (`dspine.engine.generate.
 `ConfidenceRecorder`, every round verifying the whole block) on CPU or GPU. Prompts are rendered as
 `dspine tune-sps` sends them to `/generate` (`role: content` lines), decoding greedy.
 
-  python dspine/bench/calibrate_reference.py --traces benchmarks/traces/sharegpt_dev.jsonl \\
+  python scripts/calibrate_reference.py --traces benchmarks/traces/sharegpt_dev.jsonl \\
       benchmarks/traces/tooltalk_dev.jsonl --max-new-tokens 64 --out calibration.json [--sts-out sts.json]
 
 The served drafter runs in bf16 with SGLang's kernels: for a deployment, calibrate on what the
@@ -21,21 +21,20 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import shlex
-import sys
 from pathlib import Path
 
 import torch
 
-from dspine.model.checkpoint import load_checkpoint
-from dspine.model.checkpoint import default_drafter_dir as default_drafter
-from dspine.dynamic.verification import ConfidenceRecorder, PositionCalibration
-from dspine.engine.generate import generate
-from dspine.serve.tune_sps import render_prompt
-from dspine.engine.targets import load_target, stop_token_ids
-from dspine.data.traces import load_traces
 from dspine.bench.accept import device_name
+from dspine.bench.results import command_line
+from dspine.data.traces import load_traces
+from dspine.dynamic.calibration import PositionCalibration
+from dspine.dynamic.recording import ConfidenceRecorder
+from dspine.engine.generate import generate
+from dspine.engine.targets import load_target, stop_token_ids
+from dspine.model.checkpoint import default_drafter_dir, load_checkpoint
+from dspine.serve.sps_measure import render_prompt
+from dspine.utils.atomic import write_json_atomic, write_text_atomic
 
 
 def record(target, tokenizer, drafter, requests, *, max_new_tokens: int, batch_size: int) -> ConfidenceRecorder:
@@ -77,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     tune, heldout = load_traces(args.traces, "tune"), load_traces(args.traces, "heldout")
     target, tokenizer = load_target(args.target, dtype=torch.float32, device=args.device)
-    drafter = load_checkpoint(args.drafter or default_drafter(), target=target, device=args.device,
-                              dtype=torch.float32)
+    drafter_dir = args.drafter or default_drafter_dir()
+    drafter = load_checkpoint(drafter_dir, target=target, device=args.device, dtype=torch.float32)
     common = {"max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size}
     print(f"tune: {len(tune)} requests ...", flush=True)
     tuned = record(target, tokenizer, drafter, tune, **common)
@@ -93,11 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{name}] held-out rounds {held.logits.shape[0]}: largest gap {rep['largest_gap_points']:.2f} points; "
               f"survival ECE {before_all:.4f} -> {rep['ece_after']:.4f}")
     fitted, rows = fits["temperature"], reports["temperature"]["positions"]
-    result = {"command": shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+    result = {"command": command_line(argv),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": device_name(args.device),
               "torch": torch.__version__, "target": args.target or "smollm2-135m-instruct",
-              "drafter": str(args.drafter or default_drafter()), "traces": [str(t) for t in args.traces],
+              "drafter": str(drafter_dir), "traces": [str(t) for t in args.traces],
               "max_new_tokens": args.max_new_tokens, "tune_requests": len(tune), "heldout_requests": len(heldout),
               "tune_rounds": fitted.num_samples, "heldout_rounds": int(held.logits.shape[0]),
               "temperatures": list(fitted.temperatures), "ece_before": before_all,
@@ -105,14 +104,13 @@ def main(argv: list[str] | None = None) -> int:
               "largest_gap_points": reports["temperature"]["largest_gap_points"], "positions": rows,
               "affine": {"temperatures": list(fits["affine"].temperatures), "biases": list(fits["affine"].biases),
                          **reports["affine"]}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(args.out, result)
     if args.sts_out:
-        args.sts_out.write_text(fitted.to_json() + "\n")
+        write_text_atomic(args.sts_out, fitted.to_json() + "\n")
     if args.affine_out:
-        args.affine_out.write_text(fits["affine"].to_json() + "\n")
+        write_text_atomic(args.affine_out, fits["affine"].to_json() + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

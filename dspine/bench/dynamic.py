@@ -1,15 +1,16 @@
 """Dynamic verification served: AR vs DSPINE-static vs DSPINE-dynamic on held-out trace replays.
 
-One SGLang server at a time (`bench_serving`'s launchers: `.gpu/host/serve.sh` on the GPU host, or
-`--url NAME=URL` for servers already running):
+One SGLang server at a time (`dspine.bench.launchers`: a serve script such as `.gpu/host/serve.sh`,
+or `--url NAME=URL` for servers already running):
 
 * `AR`: the target alone;
 * `DSPINE-static`: `--speculative-algorithm DSPINE`, every decode step drafts a block;
 * `DSPINE-dynamic`: the same flags with `DSPINE_DYNAMIC=<--switch>` in the server's environment
   (the speculation switch, `dspine.dynamic.switch`, tuned by `dspine tune-sps --plain-table` on the
   traces' tune split);
-* `DSPINE-plain` (optional, a diagnostic): `DSPINE_SWITCH=plain DSPINE_PLAIN_TOKENS=<--plain-tokens>`,
-  every decode step plain: what a plain step costs against AR's.
+* `DSPINE-plain` (optional, a diagnostic): `DSPINE_DYNAMIC=<a forced switch file>` written to
+  --out-dir (`dspine.dynamic.switch.write_forced_switch`: `{"force": "plain", "plain_tokens":
+  <--plain-tokens>}`), every decode step plain: what a plain step costs against AR's.
 
 Workload: `--requests` (a JSONL of OpenAI chat requests, e.g. the held-out split written by
 `python -m dspine.data.traces heldout TRACES --out FILE`; never the split the switch was tuned on), cycled; at each
@@ -21,10 +22,9 @@ plain one (`meta_info.dspine_verify_tokens`, one entry per decode step under the
 token ids of every request are compared with AR's (`parity_c1`).
 
 Each level runs `--repeats` times on the same server and reports its median repeat, with every
-repeat's throughput (`levels[*].repeats_tok_per_s`): on the GPU host, levels of a few seconds vary
-by 10-40 % from run to run (three AR runs within 10 minutes, 2026-12-01). `--url NAME=URL` uses a
-server already running for config NAME (e.g. the plain-step server the switch's table was measured
-on) and starts the others.
+repeat's throughput (`levels[*].repeats_tok_per_s`): levels of a few seconds vary from run to run.
+`--url NAME=URL` uses a server already running for config NAME (e.g. the plain-step server the
+switch's table was measured on) and starts the others.
 
 Writes `--out-dir/dynamic_h200.json` after every level (schema `RESULTS_SCHEMA`) and
 `dynamic_h200.png` (throughput ÷ AR against concurrency).
@@ -33,18 +33,20 @@ Writes `--out-dir/dynamic_h200.json` after every level (schema `RESULTS_SCHEMA`)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
-import importlib.util
 import json
-import os
 import shlex
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from dspine.bench.chat_client import CHAT, completion_tokens
+from dspine.bench.launchers import ConfigLaunchers, add_server_arguments, check_server_arguments
+from dspine.bench.results import BenchError, check_schema, command_line, write_results
+from dspine.dynamic.switch import write_forced_switch
+from dspine.utils.http import HttpClient, HttpError
+
 CONFIGS = ("AR", "DSPINE-static", "DSPINE-dynamic", "DSPINE-plain")
 RESULTS_NAME = "dynamic_h200"
 RESULTS_SCHEMA = {
@@ -52,19 +54,7 @@ RESULTS_SCHEMA = {
     "runs": [{"algorithm": str, "concurrency": int, "output_tok_per_s": float, "mean_verify_tokens": float,
               "accept_len": float}],
 }
-
-
-def _bench_serving():
-    """`dspine/bench/serving.py` (HTTP helpers, launchers, results writing), loaded from its file."""
-    if "bench_serving" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "scripts" / "bench_serving.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_serving"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["bench_serving"]
-
-
-bs_mod = _bench_serving()
+FORCED_PLAIN_FILE = "switch-forced-plain.json"
 
 
 def load_requests(path: Path, max_tokens: int) -> list[dict]:
@@ -76,25 +66,24 @@ def load_requests(path: Path, max_tokens: int) -> list[dict]:
         try:
             body = json.loads(line)
         except ValueError as err:
-            raise bs_mod.BenchError(f"{path}:{line_no}: not JSON ({err})") from None
+            raise BenchError(f"{path}:{line_no}: not JSON ({err})") from None
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            raise bs_mod.BenchError(f"{path}:{line_no}: an OpenAI chat request needs a `messages` list")
+            raise BenchError(f"{path}:{line_no}: an OpenAI chat request needs a `messages` list")
         body = {k: v for k, v in body.items() if k not in ("stream", "n", "model")}
         body.update(temperature=0, max_tokens=min(int(body.get("max_tokens") or max_tokens), max_tokens))
         bodies.append(body)
     if not bodies:
-        raise bs_mod.BenchError(f"{path}: no requests")
+        raise BenchError(f"{path}: no requests")
     return bodies
 
 
 def send(base: str, body: dict, model: str, timeout: float, token_ids: bool) -> dict:
     """One non-streamed chat completion with meta_info: completion tokens, verify steps, plain steps."""
     extra = {"model": model, "return_meta_info": True, **({"return_token_ids": True} if token_ids else {})}
-    with bs_mod._post(f"{base}/v1/chat/completions", {**body, **extra}, timeout) as r:
-        payload = json.loads(r.read())
+    payload = HttpClient(base, timeout, retries=0).post(CHAT, {**body, **extra})
     choice = (payload.get("choices") or [{}])[0]
     meta = choice.get("meta_info") or {}
-    return {"tokens": bs_mod._completion_tokens(payload.get("usage"), base),
+    return {"tokens": completion_tokens(payload.get("usage"), base),
             "verify_ct": int(meta.get("spec_verify_ct") or 0),
             "verify_tokens": [int(v) for v in meta.get("dspine_verify_tokens") or []],
             "token_ids": choice.get("token_ids")}
@@ -117,26 +106,6 @@ def level_stats(replies: list[dict], wall: float, block: int) -> dict:
             "tagged_steps": len(widths), "plain_steps": plain}
 
 
-class ConfigLaunchers:
-    """`--url NAME=URL` servers for the configs it names (a bare `--url URL` serves all), serve.sh
-    starts for the others: one run can mix a server tuned beforehand with servers it starts."""
-
-    def __init__(self, args) -> None:
-        self.urls = bs_mod._launcher(args) if args.url else None
-        self.serve = bs_mod.ServeShLauncher(args.serve_script, args.port, args.out_dir)
-
-    def _for(self, name: str):
-        if self.urls is not None and (name in self.urls.urls or "*" in self.urls.urls):
-            return self.urls
-        return self.serve
-
-    def start(self, name: str, flags: list[str]) -> str:
-        return self._for(name).start(name, flags)
-
-    def stop(self, name: str) -> None:
-        self._for(name).stop(name)
-
-
 def median_level(levels: list[dict]) -> dict:
     """The repeat with the median throughput (the lower middle one for an even count), plus every
     repeat's throughput in `repeats_tok_per_s` (the run-to-run spread of one server)."""
@@ -154,35 +123,24 @@ def run_level(base: str, bodies: list[dict], c: int, args) -> tuple[dict, list[d
                                                              args.num_draft_tokens)}, replies
 
 
-@contextlib.contextmanager
-def server_env(env: dict[str, str]):
-    """Environment variables for a server start (serve.sh passes its environment on)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def server_configs(args) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """(sglang flags, server environment) per config."""
+    """(SGLang flags, variables added to the server's environment) per chosen config. DSPINE-plain
+    writes its forced switch file (`FORCED_PLAIN_FILE` in --out-dir) here."""
     common = ["--model-path", args.model_path, *shlex.split(args.extra_flags)]
     spec = [*common, "--speculative-algorithm", "DSPINE", "--speculative-num-draft-tokens", str(args.num_draft_tokens),
             "--speculative-draft-attention-backend", "triton", "--speculative-draft-model-path", args.draft]
-    configs = {"AR": (common, {}), "DSPINE-static": (spec, {}),
-               "DSPINE-dynamic": (spec, {"DSPINE_DYNAMIC": str(Path(args.switch).resolve())} if args.switch else None),
-               "DSPINE-plain": (spec, {"DSPINE_SWITCH": "plain", "DSPINE_PLAIN_TOKENS": str(args.plain_tokens)})}
     chosen = {}
     for name in args.configs:
-        flags, env = configs[name]
-        if env is None:
-            raise bs_mod.BenchError("DSPINE-dynamic needs --switch (the switch.json of `dspine tune-sps --plain-table`)")
-        chosen[name] = (flags, env)
+        env: dict[str, str] = {}
+        if name == "DSPINE-dynamic":
+            if not args.switch:
+                raise BenchError("DSPINE-dynamic needs --switch (the switch.json of `dspine tune-sps --plain-table`)")
+            env = {"DSPINE_DYNAMIC": str(Path(args.switch).resolve())}
+        elif name == "DSPINE-plain":
+            forced = Path(args.out_dir).resolve() / FORCED_PLAIN_FILE
+            write_forced_switch(forced, "plain", plain_tokens=args.plain_tokens)
+            env = {"DSPINE_DYNAMIC": str(forced)}
+        chosen[name] = (common if name == "AR" else spec, env)
     return chosen
 
 
@@ -255,63 +213,51 @@ def plot(results: dict, out_dir: Path) -> Path | None:
            title=f"{Path(str(results.get('target', ''))).name or 'target'}: speculation vs AR ({results['device']})")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    path = out_dir / f"{RESULTS_NAME}.png"
+    path = Path(out_dir) / f"{RESULTS_NAME}.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=Path, help="held-out OpenAI chat requests (JSONL)")
     p.add_argument("--switch", default=None, help="switch.json for DSPINE-dynamic (dspine tune-sps --plain-table)")
     p.add_argument("--plain-tokens", type=int, default=1,
-                   help="DSPINE-plain: target tokens per plain step (DSPINE_PLAIN_TOKENS; use the switch file's)")
-    p.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS[:3]),
-                   help="comma-separated subset of " + ",".join(CONFIGS))
+                   help="DSPINE-plain: target tokens per plain step (the forced switch file's plain_tokens; use "
+                        "the tuned switch file's)")
+    add_server_arguments(p, configs=CONFIGS, default_configs=CONFIGS[:3],
+                         extra_flags="--cuda-graph-max-bs-decode 128 --max-running-requests 128",
+                         url_help="NAME=URL of a running server for config NAME (the others are started with "
+                                  "--serve-script)")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64, 128])
     p.add_argument("--min-requests", type=int, default=32)
     p.add_argument("--waves", type=int, default=2, help="each level sends at least waves x concurrency requests")
     p.add_argument("--repeats", type=int, default=3,
                    help="run each level this many times on the same server; report the median repeat (levels "
-                        "of a few seconds vary by 10-40 %% from run to run on the GPU host)")
+                        "of a few seconds vary from run to run)")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--model-path", default=os.environ.get("SMOLLM2", "HuggingFaceTB/SmolLM2-135M-Instruct"))
-    p.add_argument("--draft", default="dspine/checkpoints/dspine-smollm2-135m-instruct")
-    p.add_argument("--num-draft-tokens", type=int, default=16)
-    p.add_argument("--extra-flags", default="--cuda-graph-max-bs-decode 128 --max-running-requests 128",
-                   help="sglang flags for every config (serve.sh adds its base flags)")
-    p.add_argument("--served-model", default="default")
-    p.add_argument("--url", action="append", default=[],
-                   help="NAME=URL of a running server for config NAME (the others are started with --serve-script)")
-    p.add_argument("--serve-script", type=Path, default=Path(".gpu/host/serve.sh"))
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--request-timeout", type=float, default=300.0)
-    p.add_argument("--device", default="NVIDIA H200")
-    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--plot-only", action="store_true", help="redraw dynamic_h200.png from the JSON in --out-dir")
     args = p.parse_args(argv)
     if args.requests is None and not args.plot_only:
         p.error("--requests FILE is required (a held-out workload: python -m dspine.data.traces heldout TRACES --out FILE)")
-    unknown = set(args.configs) - set(CONFIGS)
-    if unknown:
-        p.error(f"unknown config(s) {sorted(unknown)}; choose from {CONFIGS}")
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: at least 1")
+    check_server_arguments(p, args, CONFIGS)
     return args
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.plot_only:
         print(plot(json.loads((args.out_dir / f"{RESULTS_NAME}.json").read_text()), args.out_dir))
         return 0
     bodies = load_requests(args.requests, args.max_tokens)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     configs = server_configs(args)
     launcher = ConfigLaunchers(args)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     results = {"device": args.device, "date": datetime.date.today().isoformat(), "sglang": "unknown",
-               "command": shlex.join([sys.argv[0], *sys.argv[1:]]), "target": args.model_path, "drafter": args.draft,
+               "command": command_line(argv), "target": args.model_path, "drafter": args.draft,
                "requests": {"file": str(args.requests), "count": len(bodies), "max_tokens": args.max_tokens},
                "switch": json.loads(Path(args.switch).read_text()) if args.switch else None,
                "runs": [], "levels": [], "configs": {}, "errors": []}
@@ -319,9 +265,8 @@ def main(argv=None) -> int:
     for name, (flags, env) in configs.items():
         results["configs"][name] = {"flags": flags, "env": env}
         try:
-            with server_env(env):
-                base = launcher.start(name, flags)
-            info = bs_mod._get_json(f"{base}/server_info") or {}
+            base = launcher.start(name, flags, env)
+            info = HttpClient(base, timeout=10.0, retries=0).get_or_none("/server_info") or {}
             results["sglang"] = info.get("version") or results["sglang"]
             send(base, bodies[0], args.served_model, args.request_timeout, token_ids=False)   # warm-up
             for c in args.concurrency:
@@ -334,19 +279,19 @@ def main(argv=None) -> int:
                                         **{k: level[k] for k in ("output_tok_per_s", "mean_verify_tokens",
                                                                  "accept_len")}})
                 results["parity_c1"] = parity_c1(passes)
-                bs_mod.write_results(results, args.out_dir, RESULTS_NAME)
+                write_results(results, args.out_dir, RESULTS_NAME)
                 spread = "/".join(f"{x:.0f}" for x in level["repeats_tok_per_s"])
                 print(f"[{name}] c={c}: {level['output_tok_per_s']:.0f} tok/s (repeats {spread}), "
                       f"{level['accept_len']:.2f} tokens/step, {level['mean_verify_tokens']:.2f} verify "
                       f"tokens/request-step, {level['wall_s']:.1f} s", flush=True)
-        except (bs_mod.BenchError, OSError) as err:
+        except (BenchError, HttpError, OSError) as err:
             results["errors"].append(f"{name}: {err}")
             print(f"[{name}] FAILED: {err}", flush=True)
         finally:
             launcher.stop(name)
     results["speedup_vs_ar"] = {name: {str(c): round(x, 3) for c, x in points}
                                 for name, points in speedups(results["runs"]).items()}
-    path = bs_mod.write_results(results, args.out_dir, RESULTS_NAME)
+    path = write_results(results, args.out_dir, RESULTS_NAME)
     plot(results, args.out_dir)
     ar = {r["concurrency"]: r["output_tok_per_s"] for r in results["runs"] if r["algorithm"] == "AR"}
     print(f"{'config':<16}" + "".join(f"{'c=' + str(c):>10}" for c in args.concurrency) + "   (÷ AR)")
@@ -358,9 +303,9 @@ def main(argv=None) -> int:
     if results["errors"]:
         print("errors:\n  " + "\n  ".join(results["errors"]), file=sys.stderr)
         return 1
-    bs_mod.check_schema(results, RESULTS_SCHEMA)
+    check_schema(results, RESULTS_SCHEMA)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

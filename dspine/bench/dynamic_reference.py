@@ -1,17 +1,17 @@
 """Dynamic verification on the reference engine: AR vs DSPINE static vs DSPINE dynamic, tuned on traces.
 
-The reference engine (`dspine.generate`) verifies a batch as one padded `[bs, 1 + w]` forward. On a
-CPU that forward is compute-bound: its time grows with every verify token, as a GPU's does at high
-concurrency. That is the regime dynamic verification is for, so this script measures the whole
-loop there, with no server:
+The reference engine (`dspine.engine.generate`) verifies a batch as one padded `[bs, 1 + w]` forward.
+On a CPU that forward is compute-bound: its time grows with every verify token, as a GPU's does at
+high concurrency. That is the regime dynamic verification is for, so this benchmark measures the
+whole loop there, with no server:
 
 1. **Tune** (the traces' `tune` split only). Fit the per-position calibration (affine) of the
    drafter's confidence head from verify-all rounds; measure the drafting round's time at every
    concurrency c and pinned verify width w (`RoundTiming`: c rows, c·(1+w) verify tokens) and fit
-   SGLang's additive SPS table T(bs, M) on those cells (`dspine.serve.tune_sps.fit_additive`); measure
+   SGLang's additive SPS table T(bs, M) on those cells (`dspine.serve.sps_fit.fit_additive`); measure
    the plain decoding step at every c (T_plain, piecewise linear in c).
 2. **Held-out workload**, never tuned on: the traces' `heldout` split plus opening turns of the
-   ShareGPT held-out split (`dspine.data.datasets`, also never in the drafter's training data). At each
+   ShareGPT held-out split (`dspine.data.eval_sets`, also never in the drafter's training data). At each
    concurrency: AR (plain decoding), DSPINE-static (verify every proposal) and DSPINE-dynamic
    (`DynamicVerifier`: `VerifyPlanner(table, layout="padded")` on the calibrated confidences, and
    plain decoding while the best plan is slower than T_plain: a losing probe buys as many plain
@@ -24,7 +24,7 @@ loop there, with no server:
 The engine runs static batches of c prompts (no continuous batching): rows leave as they finish, so
 a batch's concurrency decays; `mean_rows` reports the average rows per round.
 
-    python dspine/bench/dynamic_reference.py --out benchmarks/results/dynamic_reference_cpu.json
+    python scripts/bench_dynamic_reference.py --out benchmarks/results/dynamic_reference_cpu.json
 
 Writes the JSON (the schema of `dynamic_h200.json` plus the table, calibration and parity) and a
 plot beside it (`.png`: speedup over AR vs concurrency; round time vs verify tokens).
@@ -35,22 +35,25 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import shlex
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-from dspine.model.checkpoint import load_checkpoint
-from dspine.model.checkpoint import default_drafter_dir as default_drafter
-from dspine.dynamic.verification import (ConfidenceRecorder, DynamicVerifier, PositionCalibration,
-                                         SpsAdditiveCostTable, VerifyPlanner, sps_table_to_json)
-from dspine.engine.generate import generate
-from dspine.serve.tune_sps import fit_additive, fit_diagonal, render_prompt
-from dspine.engine.targets import load_target, stop_token_ids
-from dspine.data.traces import TraceRequest, heldout_workload, load_traces
 from dspine.bench.accept import device_name
+from dspine.bench.results import command_line
+from dspine.data.dev_traces import heldout_workload
+from dspine.data.traces import TraceRequest, load_traces
+from dspine.dynamic.calibration import PositionCalibration
+from dspine.dynamic.cost_tables import SpsAdditiveCostTable, sps_table_to_json
+from dspine.dynamic.planner import DynamicVerifier, VerifyPlanner
+from dspine.dynamic.recording import ConfidenceRecorder
+from dspine.engine.generate import generate
+from dspine.engine.targets import load_target, stop_token_ids
+from dspine.model.checkpoint import default_drafter_dir, load_checkpoint
+from dspine.serve.sps_fit import fit_additive, fit_diagonal
+from dspine.serve.sps_measure import render_prompt
+from dspine.utils.atomic import write_json_atomic
 
 DEV_TRACES = ["benchmarks/traces/sharegpt_dev.jsonl", "benchmarks/traces/tooltalk_dev.jsonl",
               "benchmarks/traces/bfcl_multiturn_dev.jsonl"]
@@ -59,11 +62,6 @@ DEV_TRACES = ["benchmarks/traces/sharegpt_dev.jsonl", "benchmarks/traces/tooltal
 def encode(tokenizer, requests: list[TraceRequest], max_prompt_tokens: int) -> list[list[int]]:
     """Rendered as `dspine tune-sps` sends them; long prompts keep their last max_prompt_tokens."""
     return [tokenizer.encode(render_prompt(r), add_special_tokens=False)[-max_prompt_tokens:] for r in requests]
-
-
-def heldout_requests(count: int) -> list[TraceRequest]:
-    """The dev traces' held-out split, then ShareGPT held-out opening turns, `count` in all."""
-    return heldout_workload(DEV_TRACES, count)
 
 
 def heldout_sources(requests: list[TraceRequest]) -> dict[str, int]:
@@ -178,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", default=None, help="DSpine checkpoint (default: the shipped one)")
     p.add_argument("--target", default=None, help="target (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--traces", nargs="+", default=DEV_TRACES,
+                   help="trace files: tuned on their `tune` split, measured on their `heldout` split")
     p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated batch sizes")
     p.add_argument("--widths", default="0,1,3,7,15", help="verify widths whose round time is measured")
     p.add_argument("--cell-rounds", type=int, default=4, help="rounds timed per (concurrency, width) cell")
@@ -195,11 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
 
     target, tokenizer = load_target(args.target, dtype=torch.float32, device=args.device)
-    drafter = load_checkpoint(args.drafter or default_drafter(), target=target, device=args.device,
-                              dtype=torch.float32)
+    drafter_dir = args.drafter or default_drafter_dir()
+    drafter = load_checkpoint(drafter_dir, target=target, device=args.device, dtype=torch.float32)
     stops = stop_token_ids(tokenizer, target)
-    tune = encode(tokenizer, load_traces(DEV_TRACES, "tune")[:args.tune_requests], args.max_prompt_tokens)
-    held_requests = heldout_requests(args.heldout_requests)
+    tune = encode(tokenizer, load_traces(args.traces, "tune")[:args.tune_requests], args.max_prompt_tokens)
+    held_requests = heldout_workload(args.traces, args.heldout_requests)  # then ShareGPT held-out openers
     held = encode(tokenizer, held_requests, args.max_prompt_tokens)
     print(f"tune: {len(tune)} trace requests; held out: {len(held)} requests", flush=True)
 
@@ -227,12 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     ece_after = calibration.calibration_error(held_logits, held_accept)[1]
     gaps = calibration.survival_gaps(held_logits, held_accept)
 
-    result = {"command": shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+    result = {"command": command_line(argv),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": device_name(args.device), "torch": torch.__version__, "sglang": None,
               "engine": "dspine reference engine (fp32, padded verify)",
               "target": args.target or "smollm2-135m-instruct",
-              "drafter": str(args.drafter or default_drafter()),
+              "drafter": str(drafter_dir),
               "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
               "tune_requests": len(tune), "heldout_requests": len(held),
               "heldout_sources": heldout_sources(held_requests),
@@ -244,10 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "survival_ece": ece_after,
                                       "largest_gap_points": max(abs(g["gap_points"]) for g in gaps),
                                       "positions": gaps}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(args.out)
+    write_json_atomic(args.out, result)
     plot(args.out.with_suffix(".png"), result)
     print(f"\n{'concurrency':>11} {'AR tok/s':>9} {'static':>9} {'dynamic':>9} {'dyn÷AR':>7} {'dyn÷static':>10} "
           f"{'verify tok':>10} {'plain share':>11}")
@@ -263,4 +260,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -3,11 +3,11 @@
 Purpose: exercise SGLang's hybrid GDN path (`Qwen3NextForCausalLM`: 3 linear-attention layers to 1
 full-attention layer, as in Qwen3-Next) with `--speculative-algorithm DSPINE
 --enable-linear-replayssm-spec --linear-replayssm-cache-len 32` on a host without network or hub
-weights, and measure greedy parity and tokens/s AR vs DSPINE (dspine/bench/serving.py). The
+weights, and measure greedy parity and tokens/s AR vs DSPINE (`dspine.bench.serving`). The
 weights are random: the answers are gibberish and the drafter's proposals are (almost) never
 accepted, so the run tests plumbing, losslessness and speed, not drafting quality.
 
-  python3 dspine/bench/hybrid_pair.py TOKENIZER_DIR OUT_DIR [--hidden 1024 --layers 8 ...]
+  python3 scripts/make_hybrid_sglang_pair.py TOKENIZER_DIR OUT_DIR [--hidden 1024 --layers 8 ...]
 
 writes
   OUT_DIR/target   config.json (architectures ["Qwen3NextForCausalLM"], the key layout of the
@@ -25,8 +25,8 @@ experts of a layer share one set of weights unless --distinct-experts: the route
 picks two, but with normalised top-k weights the output no longer depends on which. With distinct
 random experts, bf16 differences between a 16-token verify forward and single-token decodes flip
 routing decisions, and the flips blow up into logit differences of 3-19 nats: greedy parity then
-fails for every speculative server alike, SGLang's own DFLASH included (measured on an H200, see
-benchmarks/results/hybrid_parity_diagnosis_h200.json; `--check-gaps` measures it on the CPU).
+fails for every speculative server alike, SGLang's own DFLASH included
+(benchmarks/results/hybrid_parity_diagnosis_h200.json; `--check-gaps` measures it on the CPU).
 
 Weights: N(0, --init-std) for every projection and the embedding; the head N(0, --lm-head-std)
 with row norms scaled by exp(--lm-head-row-sigma x N(0, 1)): a heavy-tailed head makes the top
@@ -66,6 +66,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
 TOKENIZER_MODELS = ("tokenizer.json", "tokenizer.model", "vocab.json")
+MADE_BY = "dspine.bench.hybrid_pair"
 GAP_PROMPTS = ("What is the capital of France?", "Write a Python function that reverses a string.",
                "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                "How many clips did Natalia sell altogether?", "Explain RoPE in two sentences.",
@@ -76,7 +77,7 @@ GAP_PROMPTS = ("What is the capital of France?", "Write a Python function that r
 
 
 class PairError(RuntimeError):
-    """An input this script cannot use; the message says which and how to fix it."""
+    """An input this module cannot use; the message says which and how to fix it."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,7 +166,7 @@ def target_config(args: argparse.Namespace, tok: dict) -> dict:
         "vocab_size": tok["vocab_size"],
         "dspine_random_target": {"seed": args.seed, "init_std": args.init_std, "lm_head_std": args.lm_head_std,
                                  "a_range": [args.a_min, args.a_max], "tied_experts": not args.distinct_experts,
-                                 "made_by": "dspine/bench/hybrid_pair.py"},
+                                 "made_by": MADE_BY},
     }
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if tok.get(key) is not None:
@@ -266,7 +267,7 @@ def write_drafter(out: Path, cfg: dict, args: argparse.Namespace):
         model.mask_embedding.normal_(0, 0.02)  # not all-zero: the mask slots get a real input
     save_checkpoint(model, out, dtype=torch.bfloat16,
                     extra_config={"dspine_training": {"random": True, "seed": args.seed + 1,
-                                                      "made_by": "dspine/bench/hybrid_pair.py"}})
+                                                      "made_by": MADE_BY}})
     return dcfg
 
 
@@ -325,36 +326,30 @@ def check_gaps(target_dir: Path, prompts: int, tokens: int, threshold: float) ->
 # Main
 # ---------------------------------------------------------------------------------------------
 
+# The pair's shape and initialisation options: flag -> (default, help); each flag's type is its default's.
+SHAPE_OPTIONS: dict[str, tuple[int | float, str | None]] = {
+    "hidden": (1024, None), "layers": (8, None), "full-attention-interval": (4, "every N-th layer is full attention"),
+    "heads": (8, "full-attention query heads"), "kv-heads": (2, None), "head-dim": (128, None),
+    "linear-key-heads": (4, None), "linear-key-head-dim": (128, None), "linear-value-heads": (8, None),
+    "linear-value-head-dim": (128, None), "conv-kernel": (4, None), "experts": (8, None), "experts-per-token": (2, None),
+    "moe-intermediate": (512, "routed and shared expert width"),
+    "intermediate": (3072, "the drafter's MLP width (config intermediate_size)"),
+    "max-position-embeddings": (8192, None), "rope-theta": (10000000.0, None),
+    "init-std": (0.05, "std of every projection and the embedding"),
+    "lm-head-std": (0.002, "std of lm_head before the row scales: the logit scale (top logits ~3-27 at the defaults)"),
+    "lm-head-row-sigma": (1.0, "lm_head row norms are exp(sigma x N(0,1)) (0: i.i.d. rows, many bf16 near-ties)"),
+    "a-min": (0.05, "GDN decay rate A = exp(A_log) ~ U[a_min, a_max]"), "a-max": (2.0, None),
+}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("tokenizer_dir", type=Path, help="HF folder with the tokenizer (e.g. SmolLM2-135M-Instruct)")
     p.add_argument("out_dir", type=Path, help="writes OUT_DIR/target and OUT_DIR/drafter (replaced if present)")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--full-attention-interval", type=int, default=4, help="every N-th layer is full attention")
-    p.add_argument("--heads", type=int, default=8, help="full-attention query heads")
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--linear-key-heads", type=int, default=4)
-    p.add_argument("--linear-key-head-dim", type=int, default=128)
-    p.add_argument("--linear-value-heads", type=int, default=8)
-    p.add_argument("--linear-value-head-dim", type=int, default=128)
-    p.add_argument("--conv-kernel", type=int, default=4)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--experts-per-token", type=int, default=2)
+    for name, (default, help_text) in SHAPE_OPTIONS.items():
+        p.add_argument(f"--{name}", type=type(default), default=default, help=help_text)
     p.add_argument("--distinct-experts", action="store_true",
                    help="independent random routed experts (default: all equal, so routing flips change nothing)")
-    p.add_argument("--moe-intermediate", type=int, default=512, help="routed and shared expert width")
-    p.add_argument("--intermediate", type=int, default=3072, help="the drafter's MLP width (config intermediate_size)")
-    p.add_argument("--max-position-embeddings", type=int, default=8192)
-    p.add_argument("--rope-theta", type=float, default=10000000.0)
-    p.add_argument("--init-std", type=float, default=0.05, help="std of every projection and the embedding")
-    p.add_argument("--lm-head-std", type=float, default=0.002,
-                   help="std of lm_head before the row scales: the logit scale (top logits ~3-27 at the defaults)")
-    p.add_argument("--lm-head-row-sigma", type=float, default=1.0,
-                   help="lm_head row norms are exp(sigma x N(0,1)) (0: i.i.d. rows, many bf16 near-ties)")
-    p.add_argument("--a-min", type=float, default=0.05, help="GDN decay rate A = exp(A_log) ~ U[a_min, a_max]")
-    p.add_argument("--a-max", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=None, help="override the tokenizer folder's vocab size")
     p.add_argument("--mask-token-id", type=int, default=16, help="drafter mask token (16 for SmolLM2)")
@@ -363,7 +358,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after writing, greedy-decode with transformers on the CPU and print top-2 gap stats")
     p.add_argument("--gap-prompts", type=int, default=12)
     p.add_argument("--gap-tokens", type=int, default=64)
-    p.add_argument("--gap-threshold", type=float, default=0.25, help="nats (bench_serving's --near-tie-nats)")
+    p.add_argument("--gap-threshold", type=float, default=0.25, help="nats (the serving benchmark's --near-tie-nats)")
     return p.parse_args(argv)
 
 
@@ -401,4 +396,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

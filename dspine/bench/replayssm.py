@@ -6,41 +6,39 @@ all layers; snapshots: gather the selected per-token state back into the live st
 verify traffic snapshots pay (writing T states per layer) against ReplaySSM's output-only verify
 kernel, and the kernels' error against the PyTorch references at full shapes.
 
-GPU host:  python dspine/bench/replayssm.py        -> benchmarks/results/replayssm_h200.json
-CPU check: python dspine/bench/replayssm.py --cpu-smoke   (tiny shapes, Triton interpreter)
-Needs `dspine` importable with its `dspine.kernels` package (`pip install -e . --no-deps`).
+On a GPU:  python scripts/bench_replayssm.py    -> benchmarks/results/replayssm_h200.json (`--out` elsewhere)
+CPU check: TRITON_INTERPRET=1 python scripts/bench_replayssm.py --cpu-smoke   (tiny shapes, no JSON)
+Exit status 1 when a kernel departs from its reference by more than 1e-4.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-if "--cpu-smoke" in sys.argv:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
 import torch
 import triton
 
+from dspine import env
+from dspine.bench.results import DEFAULT_OUT_DIR, command_line
+from dspine.engine.replay_ssm import ReplaySSMState, verify_scratch_bytes
 from dspine.kernels.gated_delta_replay import (
     gated_delta_replay,
     gated_delta_replay_reference,
     gated_delta_verify_outputs,
     gated_delta_verify_outputs_reference,
 )
-from dspine.engine.replay_ssm import ReplaySSMState, verify_scratch_bytes
+from dspine.utils.atomic import write_json_atomic
 
-ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
+RESULTS_FILE = "replayssm_h200.json"
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter); no JSON")
     p.add_argument("--layers", type=int, default=48, help="GDN layers")
@@ -52,14 +50,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--reps", type=int, default=100, help="timed repetitions (median reported)")
     p.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM peak for the %%-of-peak column (H200)")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/replayssm_h200.json"
+    p.add_argument("--out", type=Path, default=None, help=f"JSON path (default: {DEFAULT_OUT_DIR / RESULTS_FILE}"
                    " on CUDA, none with --cpu-smoke)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.cpu_smoke:
         args.layers, args.tokens, args.k_heads, args.v_heads, args.head_dim = 2, 4, 2, 2, 16
         args.batch_sizes, args.reps = [1, 2], 3
     elif args.out is None:
-        args.out = ROOT / "benchmarks/results/replayssm_h200.json"
+        args.out = DEFAULT_OUT_DIR / RESULTS_FILE
     return args
 
 
@@ -189,8 +187,12 @@ def correctness(a: argparse.Namespace, device: torch.device) -> dict:
             "ok": replay_err <= 1e-4 and verify_err <= 1e-4}
 
 
-def main() -> None:
-    a = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.cpu_smoke and not env.TRITON_INTERPRET.get():
+        print("--cpu-smoke runs the Triton kernels in the interpreter, which is chosen before they load: "
+              "TRITON_INTERPRET=1 python scripts/bench_replayssm.py --cpu-smoke", file=sys.stderr)
+        return 2
     device = torch.device("cpu" if a.cpu_smoke else "cuda")
     if a.cpu_smoke:
         torch.set_num_threads(1)
@@ -218,7 +220,7 @@ def main() -> None:
 
     if a.out is not None:
         result = {
-            "command": "python " + " ".join(sys.argv),
+            "command": command_line(argv),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__,
@@ -231,11 +233,10 @@ def main() -> None:
             "correctness": check,
             "sglang_e2e": None,
         }
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json_atomic(a.out, result)
         print(f"wrote {a.out}")
-    sys.exit(0 if check["ok"] else 1)
+    return 0 if check["ok"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Is a speculative server's sampling the target's? A two-sample chi-square test over HTTP.
 
 Speculative sampling is lossless only if every emitted token follows the target's distribution.
-This script asks two running SGLang servers of the same target, a plain one (A, e.g. AR) and a
+This benchmark asks two running SGLang servers of the same target, a plain one (A, e.g. AR) and a
 speculative one (B, e.g. DSPINE), for many sampled continuations of one prompt (same temperature,
 top-p, top-k; a fresh random seed per request), and compares, position by position, how often each
 token id came out. Under losslessness both samples come from one distribution: each position's
@@ -10,34 +10,34 @@ then gives a p-value that is uniform, and the verdict is "indistinguishable" whe
 clears `--alpha` divided by the number of positions (Bonferroni).
 
 Position 1 comes from the prefill in both servers, so only positions 2.. exercise speculative
-verification; the script prints B's accept length (completion tokens / verify rounds) to show that
+verification; the benchmark prints B's accept length (completion tokens / verify rounds) to show that
 the drafts were verified at all — at an accept length of 1.0 the test cannot tell anything.
 
-  python dspine/bench/served_sampling.py --url-a http://127.0.0.1:30000 --url-b http://127.0.0.1:30001 \\
+  python scripts/check_served_sampling.py --url-a http://127.0.0.1:30000 --url-b http://127.0.0.1:30001 \\
       --samples 4000 --max-new-tokens 4 --out check_sampling.json
 
-Needs scipy (chi2_contingency) and dspine (its stdlib HTTP client).
+Needs scipy (chi2_contingency). Writes the verdict and every position's p-value to `--out` (JSON).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import shlex
 import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from dspine.serve.tune_sps import Client
+from dspine.bench.results import command_line
+from dspine.utils.atomic import write_json_atomic
+from dspine.utils.http import HttpClient, HttpError
 
 PROMPT = "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:"
 
 
 def sample_once(url: str, prompt: str, params: dict, timeout: float) -> tuple[list[int], int, int]:
     """One /generate request: (output ids, completion tokens, verify rounds or 0 without speculation)."""
-    reply = Client(url, timeout).post("/generate", {"text": prompt, "sampling_params": params})
+    reply = HttpClient(url, timeout).post("/generate", {"text": prompt, "sampling_params": params})
     meta = reply["meta_info"]
     return list(reply["output_ids"]), int(meta["completion_tokens"]), int(meta.get("spec_verify_ct") or 0)
 
@@ -97,8 +97,8 @@ def local_device() -> str:
 def server_summary(url: str, timeout: float) -> dict:
     """What the result must say about a server: SGLang version, algorithm, model and drafter paths."""
     try:
-        info = Client(url, timeout).get("/server_info")
-    except (OSError, ValueError) as err:  # unreachable, or not JSON: the verdict does not depend on it
+        info = HttpClient(url, timeout).get("/server_info")
+    except (HttpError, ValueError) as err:  # unreachable, or not JSON: the verdict does not depend on it
         return {"error": f"/server_info: {err}"}
     keys = ("version", "speculative_algorithm", "model_path", "speculative_draft_model_path",
             "speculative_num_draft_tokens")
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                                                     "machine's first CUDA device)")
     args = p.parse_args(argv)
     if args.temperature <= 0:
-        p.error("--temperature must be > 0: greedy outputs are compared by dspine/bench/serving.py")
+        p.error("--temperature must be > 0: greedy outputs are compared by scripts/bench_serving.py")
     params = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
               "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
     sides = {}
@@ -143,17 +143,16 @@ def main(argv: list[str] | None = None) -> int:
         print("warning: B verified no drafted token, so this run says nothing about speculative sampling",
               file=sys.stderr)
     if args.out:
-        result = {"command": shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        result = {"command": command_line(argv),
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "device": args.device or local_device(), "servers": {n: server_summary(u, args.timeout) for n, u in
                                                                       (("a", args.url_a), ("b", args.url_b))},
                   "url_a": args.url_a, "url_b": args.url_b, "prompt": args.prompt, "sampling": params,
                   "samples": args.samples, "accept_len": accept, "alpha": args.alpha, "positions": rows,
                   "verdict": verdict}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json_atomic(args.out, result)
     return 0 if verdict == "indistinguishable" else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

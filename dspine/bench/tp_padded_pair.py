@@ -1,13 +1,13 @@
 """Write function-identical copies of a target and its DSpine drafter with TP-divisible head counts.
 
-Purpose: test tensor parallelism on the GPU host of SGLang. `--tp-size 2` shards every attention
+Purpose: test SGLang's tensor parallelism with DSPINE. `--tp-size 2` shards every attention
 layer by heads, so it needs the query and KV head counts divisible by 2; the default target
 SmolLM2-135M-Instruct (and its drafter) has 9 query / 3 KV heads, so neither can be sharded. This
-script pads both models with heads that contribute exactly nothing, so a TP=2 server runs a really
+module pads both models with heads that contribute exactly nothing, so a TP=2 server runs a really
 sharded target with a drafter that really accepts tokens, and its outputs stay those of the original
 pair (up to floating-point rounding).
 
-  python3 dspine/bench/tp_padded_pair.py TARGET_DIR DRAFTER_DIR OUT_DIR [--tp 2] [--force]
+  python3 scripts/make_tp_padded_pair.py TARGET_DIR DRAFTER_DIR OUT_DIR [--tp 2] [--force]
 
   TARGET_DIR   a Hugging Face Llama/Qwen-style folder (config.json, *.safetensors, sharded or not,
                tokenizer files, chat template, generation_config.json), e.g. the SmolLM2 folder
@@ -63,13 +63,13 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 # `...layers.{i}.self_attn.{q,k,v,o}_proj.{weight,bias}`, any prefix (`model.` for HF targets, none for DSpine).
 ATTENTION_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.([qkvo])_proj\.(weight|bias)$")
-# Weights in formats this script does not rewrite: never copied, so no loader can pick unpadded weights.
+# Weights in formats this module does not rewrite: never copied, so no loader can pick unpadded weights.
 OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
-MADE_BY = "dspine/bench/tp_padded_pair.py"
+MADE_BY = "dspine.bench.tp_padded_pair"
 
 
 class PadError(ValueError):
-    """An input this script cannot pad; the message names the problem and the fix."""
+    """An input this module cannot pad; the message names the problem and the fix."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def head_layout(num_heads: int, num_kv_heads: int | None, head_dim: int | None, 
     if num_heads % num_kv_heads:
         raise PadError(f"{where}: num_attention_heads = {num_heads} is not a multiple of num_key_value_heads = "
                        f"{num_kv_heads}, so query heads have no fixed KV head to keep (not grouped-query "
-                       "attention). This script cannot pad such a model; fix the config if it is wrong.")
+                       "attention). make_tp_padded_pair cannot pad such a model; fix the config if it is wrong.")
     if head_dim is None:
         if not hidden_size or hidden_size % num_heads:
             raise PadError(f"{where}: no head_dim in the config and hidden_size = {hidden_size} is not a multiple "
@@ -437,4 +437,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -21,10 +21,20 @@ from torch import Tensor
 from dspine.engine.acceptance import SamplingParams, accept_tokens, sample_tokens, warp_probs
 from dspine.model.drafter import DSpineDrafter
 from dspine.engine.proposer import DSpineProposer, Proposal, Proposer
-from dspine.engine.target_runner import TransformersTargetRunner, make_target_runner
+from dspine.engine.target_runner import TargetRunner, TransformersTargetRunner
 
 VerifyBudget = Callable[[Proposal], Tensor]
 """Dynamic verification hook: a proposal -> verify lengths [bs] in 0..N."""
+
+
+def make_target_runner(model, layer_ids: list[int]) -> TargetRunner:
+    """The runner for `model`: hybrid Gated-DeltaNet targets (config `layer_types` with
+    "linear_attention") verify with ReplaySSM; every other causal LM uses the KV-cache runner."""
+    if "linear_attention" in (getattr(model.config, "layer_types", None) or ()):
+        from dspine.engine.hybrid_target import HybridTargetRunner
+
+        return HybridTargetRunner(model, layer_ids)
+    return TransformersTargetRunner(model, layer_ids)
 
 
 @runtime_checkable
@@ -202,7 +212,7 @@ def _catch_up(proposer: Proposer, unseen: list[tuple[Tensor, Tensor]]) -> None:
         unseen.clear()
 
 
-def _speculative_round(runner: TransformersTargetRunner, proposer: Proposer, anchor: Tensor, params: SamplingParams,
+def _speculative_round(runner: TargetRunner, proposer: Proposer, anchor: Tensor, params: SamplingParams,
                        generator: torch.Generator, verify_budget: VerifyBudget | None,
                        stats: GenerationStats) -> tuple[Tensor, list[list[int]], int]:
     """One round; returns the next anchors [bs], the tokens each row emitted, and the number of

@@ -11,7 +11,7 @@ residual, norm, MLP/MoE, residual; final norm, lm_head) and replaces only the st
   own position, so rejected tokens' slots are invisible and overwritten later: commit is a length
   move.
 
-Interface and `TargetStep` as `dspine.engine.target_runner.TransformersTargetRunner`. Numerics follow
+Implements `dspine.engine.target_runner.TargetRunner`. Numerics follow
 transformers' token-by-token decode path (`torch_recurrent_gated_delta_rule`, eager attention).
 """
 

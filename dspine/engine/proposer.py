@@ -15,7 +15,8 @@ from torch import Tensor
 
 from dspine.model.drafter import DSpineDrafter
 from dspine.engine.slots import compact_order, gather_slots
-from dspine.model.transition import SuccessorTable, select_tokens
+from dspine.model.selection import select_tokens
+from dspine.model.transition import SuccessorTable
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""`TransformersTargetRunner`: a transformers causal LM as the verifier of the reference engine.
+"""The verifier interface of the reference engine (`TargetRunner`, `TargetStep`) and
+`TransformersTargetRunner`, a transformers causal LM behind it.
 
 Keeps one KV cache for a ragged batch: row b holds `lengths[b]` committed tokens in a right-padded
 slot layout (attention mask marks valid slots; position ids are each row's own). `verify` feeds q
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -21,6 +23,25 @@ from dspine.engine.slots import compact_order, gather_slots
 class TargetStep:
     logits: Tensor   # [bs, q, V] float32: logits at every fed position
     hidden: Tensor   # [bs, q, K*H]: target hidden states at layer_ids (HF "output of layer i")
+
+
+class TargetRunner(Protocol):
+    """A target that verifies drafted tokens for a ragged batch of rows.
+
+    `prefill(prompts)` commits every prompt; `verify(tokens [bs, q])` feeds q tokens after each
+    row's committed prefix and commits nothing; `commit(keep [bs])` keeps the first keep[b] of them
+    (1 <= keep[b] <= q) so the state equals that of a model that only ever saw the kept tokens;
+    `select(rows)` keeps only those batch rows."""
+
+    batch_size: int
+
+    def prefill(self, prompts: list[list[int]]) -> TargetStep: ...
+
+    def verify(self, tokens: Tensor) -> TargetStep: ...
+
+    def commit(self, keep: Tensor) -> None: ...
+
+    def select(self, rows: Tensor) -> None: ...
 
 
 class TransformersTargetRunner:
@@ -97,12 +118,3 @@ class TransformersTargetRunner:
             layer.keys = gather_slots(layer.keys, index, dim=2)
             layer.values = gather_slots(layer.values, index, dim=2)
 
-
-def make_target_runner(model, layer_ids: list[int]):
-    """The runner for `model`: hybrid Gated-DeltaNet targets (config `layer_types` with
-    "linear_attention") verify with ReplaySSM; every other causal LM uses the KV-cache runner."""
-    if "linear_attention" in (getattr(model.config, "layer_types", None) or ()):
-        from dspine.engine.hybrid_target import HybridTargetRunner
-
-        return HybridTargetRunner(model, layer_ids)
-    return TransformersTargetRunner(model, layer_ids)

@@ -106,6 +106,15 @@ def target_dir(spec: str | None = None) -> Path:
     return _hub_snapshot(spec)
 
 
+def load_target_config(spec: str | None = None):
+    """The transformers config of target `spec`, without its weights (enough for `target_identity`)."""
+    path = target_dir(spec)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise TargetLoadError(f"target {spec!r} ({path}) has no loadable config.json: {e}") from e
+
+
 def load_tokenizer(spec: str | None = None) -> tuple[PreTrainedTokenizerBase, list[int]]:
     """`(tokenizer, stop token ids)` of target `spec` without loading its weights (for work that
     a server does, e.g. `dspine gen-data --server`)."""

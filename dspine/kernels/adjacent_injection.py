@@ -74,6 +74,7 @@ host sync: CUDA-graph capturable.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -207,8 +208,6 @@ def transfer_topk_fwd_kernel(
     KP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    EARLY_EXIT: tl.constexpr,
-    TOPK: tl.constexpr,  # False: keep only the running max (a timing variant, wrong for k > 1)
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -234,10 +233,7 @@ def transfer_topk_fwd_kernel(
                       other=0.0)
         m_key = m_m[:, None] & (o_v < v_hi)[None, :]                # padding rows and columns never enter
         b_key = tl.where(m_key, _pack_keys(b_s, o_v[None, :]), -9223372036854775807)  # [BLOCK_M, BLOCK_V]
-        if TOPK:
-            b_top = _insert_rows(b_top, b_key, EARLY_EXIT, K)
-        else:
-            b_top = tl.maximum(b_top, tl.max(b_key, axis=1)[:, None])
+        b_top = _insert_rows(b_top, b_key)
     o_k = tl.arange(0, KP)
     tl.store(part + (i_s * M + o_m[:, None]) * KP + o_k[None, :], b_top, mask=m_m[:, None])
 
@@ -278,7 +274,7 @@ def transfer_merge_fwd_kernel(
             b_key = tl.load(part + ((s0 + o_s)[:, None] * M + i_m) * KP + o_k[None, :], mask=m_c,
                             other=-9223372036854775807)             # [BLOCK_S, KP]
             b_key = tl.where(b_key > -9223372036854775807 + KP, b_key, -9223372036854775807)  # drop empty slots
-            b_top = _insert_rows(b_top, tl.reshape(b_key, [1, BLOCK_S * KP]), True, K)
+            b_top = _insert_rows(b_top, tl.reshape(b_key, [1, BLOCK_S * KP]))
         b_val, b_idx = _unpack_keys(tl.reshape(b_top, [KP]))         # [KP]
         if WRITE_CAND:
             tl.store(cand + i_p * K + o_k, b_idx.to(tl.int64), mask=m_k)
@@ -483,54 +479,56 @@ def candidate_gate_fwd_kernel(
 
 
 @dataclass(frozen=True)
+class Tiles:
+    """The tiling of one kernel launch: block_m rows and block_n columns a program (for the top-k
+    kernel: block_n vocabulary rows a tile), block_k the reduction step of a GEMM-like kernel, then
+    warps and pipeline stages. A kernel ignores the fields it has no use for."""
+
+    block_m: int = 16
+    block_n: int = 32
+    block_k: int = 128
+    warps: int = 4
+    stages: int = 4
+
+
+@dataclass(frozen=True)
 class InjectionBlocks:
     """Launch configuration of the fused path (the benchmark sweeps it; defaults from `blocks_for`).
 
-    block_m/block_v/warps/stages: the split-V top-k kernel; programs_per_sm: how many V-chunk
-    programs to aim for per multiprocessor; early_exit: data-dependent insertion rounds (False:
-    always k rounds); gate_*: the gate kernel. topk=False is a timing variant only (running max
-    instead of top-k: wrong output). A later layer of `injection_candidates = "first_layer"`
-    (`inject_on_candidates`): hidden_* for its pass over h (hidden_split: programs splitting the H
-    columns of each dot, their partials summed by the next kernel), mix_* for its features-and-gate
+    topk: the split-V top-k kernel (programs_per_sm: how many V-chunk programs to aim for per
+    multiprocessor); gate: the gate kernel. A later layer of `injection_candidates = "first_layer"`
+    (`inject_on_candidates`): hidden for its pass over h (hidden_split: programs splitting the H
+    columns of each dot, their partials summed by the next kernel), mix for its features-and-gate
     kernel (mix_tiles_n: consecutive H-tiles per program, which share one computation of t)."""
 
-    block_m: int = 16
-    block_v: int = 64
-    warps: int = 4
-    stages: int = 3
+    topk: Tiles = Tiles(block_n=64, stages=3)
     programs_per_sm: int = 3
-    early_exit: bool = True
-    gate_block_m: int = 16
-    gate_block_n: int = 32
-    gate_block_k: int = 128
-    gate_warps: int = 4
-    gate_stages: int = 4
-    topk: bool = True
-    hidden_block_m: int = 16
-    hidden_block_n: int = 32
-    hidden_block_k: int = 128
+    gate: Tiles = Tiles()
+    hidden: Tiles = Tiles()
     hidden_split: int = 1
-    hidden_warps: int = 4
-    hidden_stages: int = 4
-    mix_block_m: int = 16
-    mix_block_n: int = 32
+    mix: Tiles = Tiles(warps=8)
     mix_tiles_n: int = 1
-    mix_warps: int = 8
+
+    def updated(self, **changes) -> InjectionBlocks:
+        """A copy with `changes`; a launch's name takes a dict of its `Tiles` fields:
+        `updated(hidden={"block_k": 256}, hidden_split=2)`."""
+        return dataclasses.replace(self, **{
+            name: dataclasses.replace(getattr(self, name), **value) if isinstance(value, dict) else value
+            for name, value in changes.items()})
 
 
 def blocks_for(n: int, block_size: int) -> InjectionBlocks:
     """Default launch configuration for n blocks of `block_size` positions."""
     rows, gate_rows = n * (block_size - 2), n * block_size
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    gate_block_m = 16 if gate_rows <= 16 else 32 if gate_rows <= 32 else 64
-    gate_block_n = 32 if gate_rows <= 64 else 64
+    gate = Tiles(block_m=16 if gate_rows <= 16 else 32 if gate_rows <= 32 else 64,
+                 block_n=32 if gate_rows <= 64 else 64)
     # A later layer's pass over h is the gate's GEMM plus W_s's rows: the gate's tiles, each dot split
     # in two (hidden_split 2: 0.0188 vs 0.0213 ms at bs 1, 0.0428 vs 0.0435 at bs 8, Qwen3-8B shapes on
     # the H200, kernels_h200_details.json). Its second kernel keeps 16-row tiles (a [16, k, r] gather of
     # candidate rows), one H-tile per program (wider spans were slower at bs 8: 0.0428 vs 0.0399 ms).
-    return InjectionBlocks(block_m=block_m, gate_block_m=gate_block_m, gate_block_n=gate_block_n,
-                           hidden_block_m=gate_block_m, hidden_block_n=gate_block_n, hidden_split=2,
-                           mix_block_n=32 if gate_rows <= 64 else 64)
+    return InjectionBlocks(topk=Tiles(block_m=block_m, block_n=64, stages=3), gate=gate, hidden=gate,
+                           hidden_split=2, mix=Tiles(block_n=32 if gate_rows <= 64 else 64, warps=8))
 
 
 def _precision(dtype: torch.dtype) -> str | None:
@@ -558,16 +556,16 @@ def transfer_features(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids
     if rows > 0:
         q = (h @ score_weight.T).contiguous()                       # [n, B, r], the reference's own op
         assert q.dtype == table.dtype, "h, score_weight and table must share a dtype"
-        m_tiles = _cdiv(rows, blocks.block_m)
+        tiles = blocks.topk
+        m_tiles = _cdiv(rows, tiles.block_m)
         chunks = max(1, blocks.programs_per_sm * _multiprocessors(h.device) // m_tiles)  # V-chunks wanted
-        chunk = _cdiv(_cdiv(vocab, chunks), blocks.block_v) * blocks.block_v
+        chunk = _cdiv(_cdiv(vocab, chunks), tiles.block_n) * tiles.block_n
         splits = _cdiv(vocab, chunk)
         part = torch.empty(splits, rows, kp, dtype=torch.int64, device=h.device)
         transfer_topk_fwd_kernel[(m_tiles, splits)](
-            q, table, part, rows, vocab, chunk, B=blk, R=rank, RP=rp, K=top_k, KP=kp, BLOCK_M=blocks.block_m,
-            BLOCK_V=blocks.block_v, EARLY_EXIT=blocks.early_exit, TOPK=blocks.topk,
-            DOT_PRECISION=_precision(table.dtype), INTERPRET=_interpret(), num_warps=blocks.warps,
-            num_stages=blocks.stages)
+            q, table, part, rows, vocab, chunk, B=blk, R=rank, RP=rp, K=top_k, KP=kp, BLOCK_M=tiles.block_m,
+            BLOCK_V=tiles.block_n, DOT_PRECISION=_precision(table.dtype), INTERPRET=_interpret(),
+            num_warps=tiles.warps, num_stages=tiles.stages)
     else:
         splits, part = 1, torch.empty(1, 1, kp, dtype=torch.int64, device=h.device)
     block_s = max(1, min(_next_pow2(splits), 4096 // kp))
@@ -596,12 +594,12 @@ def inject_features(h: Tensor, t: Tensor, gate_weight: Tensor, gate_bias: Tensor
     out = torch.empty_like(h) if out is None else out
     assert out.shape == h.shape and out.dtype == h.dtype and out.is_contiguous()
     rows = n * blk
-    grid = (_cdiv(rows, blocks.gate_block_m), _cdiv(hidden, blocks.gate_block_n))
+    gate = blocks.gate
+    grid = (_cdiv(rows, gate.block_m), _cdiv(hidden, gate.block_n))
     injection_gate_fwd_kernel[grid](h, t, gate_weight, gate_bias, out_weight, out, rows, hidden, B=blk, R=rank,
-                                    RP=max(16, _next_pow2(rank)), BLOCK_M=blocks.gate_block_m,
-                                    BLOCK_N=blocks.gate_block_n, BLOCK_K=blocks.gate_block_k,
-                                    DOT_PRECISION=_precision(h.dtype), INTERPRET=_interpret(),
-                                    num_warps=blocks.gate_warps, num_stages=blocks.gate_stages)
+                                    RP=max(16, _next_pow2(rank)), BLOCK_M=gate.block_m, BLOCK_N=gate.block_n,
+                                    BLOCK_K=gate.block_k, DOT_PRECISION=_precision(h.dtype), INTERPRET=_interpret(),
+                                    num_warps=gate.warps, num_stages=gate.stages)
     return out
 
 
@@ -627,7 +625,7 @@ def inject_on_candidates(h: Tensor, score_weight: Tensor, table: Tensor, anchor_
     h_out [n, B, H] in h's dtype, written into `out` when given. Two launches (module docstring):
     `injection_hidden_fwd_kernel` (h [G_h; W_s]ᵀ, split-K partials) and `candidate_gate_fwd_kernel`
     (features from `candidates` [n, B-1, k] int64, gate, add). Arguments as `adjacent_injection`'s;
-    `blocks` overrides the launch configuration (its hidden_* and mix_* fields)."""
+    `blocks` overrides the launch configuration (its hidden and mix fields)."""
     n, blk, hidden = h.shape
     rank = table.shape[1]
     top_k = candidates.shape[-1]
@@ -643,20 +641,20 @@ def inject_on_candidates(h: Tensor, score_weight: Tensor, table: Tensor, anchor_
     out = torch.empty_like(h) if out is None else out
     assert out.shape == h.shape and out.dtype == h.dtype and out.is_contiguous()
     rows = n * blk
-    k_split = _cdiv(_cdiv(hidden, blocks.hidden_split), blocks.hidden_block_k) * blocks.hidden_block_k
+    hid, mix = blocks.hidden, blocks.mix
+    k_split = _cdiv(_cdiv(hidden, blocks.hidden_split), hid.block_k) * hid.block_k
     splits = _cdiv(hidden, k_split)
     part = torch.empty(splits, rows, hidden + rank, dtype=torch.float32, device=h.device)
     precision, interpret = _precision(h.dtype), _interpret()
-    grid = (_cdiv(rows, blocks.hidden_block_m),
-            _cdiv(hidden, blocks.hidden_block_n) + _cdiv(rank, blocks.hidden_block_n), splits)
+    grid = (_cdiv(rows, hid.block_m), _cdiv(hidden, hid.block_n) + _cdiv(rank, hid.block_n), splits)
     injection_hidden_fwd_kernel[grid](h, gate_weight, score_weight, part, rows, hidden, k_split, R=rank,
-                                      BLOCK_M=blocks.hidden_block_m, BLOCK_N=blocks.hidden_block_n,
-                                      BLOCK_K=blocks.hidden_block_k, DOT_PRECISION=precision, INTERPRET=interpret,
-                                      num_warps=blocks.hidden_warps, num_stages=blocks.hidden_stages)
-    span = blocks.mix_block_n * blocks.mix_tiles_n
-    candidate_gate_fwd_kernel[(_cdiv(rows, blocks.mix_block_m), _cdiv(hidden, span))](
+                                      BLOCK_M=hid.block_m, BLOCK_N=hid.block_n, BLOCK_K=hid.block_k,
+                                      DOT_PRECISION=precision, INTERPRET=interpret, num_warps=hid.warps,
+                                      num_stages=hid.stages)
+    span = mix.block_n * blocks.mix_tiles_n
+    candidate_gate_fwd_kernel[(_cdiv(rows, mix.block_m), _cdiv(hidden, span))](
         h, part, table, anchor_ids.contiguous(), candidates.contiguous(), gate_weight, gate_bias, out_weight, out,
         rows, hidden, B=blk, R=rank, RP=max(16, _next_pow2(rank)), K=top_k, S=splits,
-        BLOCK_M=blocks.mix_block_m, BLOCK_N=blocks.mix_block_n, TILES_N=blocks.mix_tiles_n, DOT_PRECISION=precision,
-        INTERPRET=interpret, num_warps=blocks.mix_warps)
+        BLOCK_M=mix.block_m, BLOCK_N=mix.block_n, TILES_N=blocks.mix_tiles_n, DOT_PRECISION=precision,
+        INTERPRET=interpret, num_warps=mix.warps)
     return out

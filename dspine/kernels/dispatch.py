@@ -1,23 +1,40 @@
 """Kernel-vs-reference choice: Triton on CUDA tensors, PyTorch elsewhere.
 
-`DSPINE_KERNELS=auto` (default) | `triton` | `torch`. Forcing `triton` on CPU tensors only works
-under `TRITON_INTERPRET=1` (the CPU test mode). Under autocast the references run in every mode.
+`DSPINE_KERNELS=auto` (default) | `triton` | `torch` (declared in `dspine.env`); `forced(mode)`
+overrides it within a block (the kernel benchmark compares both paths in one process). Forcing
+`triton` on CPU tensors only works under `TRITON_INTERPRET=1` (the CPU test mode). Under autocast
+the references run in every mode.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 
+from dspine import env
+
 MODES = ("auto", "triton", "torch")
+_forced_mode: ContextVar[str | None] = ContextVar("dspine_forced_kernel_mode", default=None)
 
 
 def kernel_mode() -> str:
-    mode = os.environ.get("DSPINE_KERNELS", "auto").lower()
+    """The mode in force: `forced`'s, else DSPINE_KERNELS's (env.EnvError when that is not a mode)."""
+    return _forced_mode.get() or env.DSPINE_KERNELS.get()
+
+
+@contextlib.contextmanager
+def forced(mode: str) -> Iterator[None]:
+    """Within the block, `use_triton` decides as under DSPINE_KERNELS=mode; the previous mode after it."""
     if mode not in MODES:
-        raise ValueError(f"DSPINE_KERNELS={mode!r}: use one of {MODES}")
-    return mode
+        raise ValueError(f"kernel mode {mode!r}: use one of {', '.join(MODES)}")
+    token = _forced_mode.set(mode)
+    try:
+        yield
+    finally:
+        _forced_mode.reset(token)
 
 
 def use_triton(t: torch.Tensor) -> bool:

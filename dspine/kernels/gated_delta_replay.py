@@ -12,10 +12,10 @@ Inputs are what the layer feeds the recurrence, so replay is pure recurrence: q 
 l2-normalised (transformers' `l2norm`, eps 1e-6), q already scaled by K**-0.5, both expanded to
 the HV value heads (`repeat_interleave`); g = log-decay (<= 0) and beta in fp32.
 
-Each V column of S evolves on its own (S^T k and the update are column-wise), so the kernels split
-V into blocks: one program per (request, head, V-block) keeps a [K, BV] fp32 state tile in
-registers for the whole sequence. Lengths are read on the device (no host sync, static shapes:
-CUDA-graph capturable).
+Each V column of S evolves on its own (S^T k and the update are column-wise), so the kernel
+(`gated_delta_fwd_kernel`: replay, or with VERIFY the outputs) splits V into blocks: one program per
+(request, head, V-block) keeps a [K, BV] fp32 state tile in registers for the whole sequence.
+Lengths are read on the device (no host sync, static shapes: CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -84,20 +84,22 @@ def _load_token(k, v, g, beta, i_tok, o_k, o_v, m_k, m_v, K: tl.constexpr, V: tl
 
 
 @_kernels.jit
-def gated_delta_replay_fwd_kernel(
-    state,  # [N, HV, K, V] fp32
+def gated_delta_fwd_kernel(
+    state,  # [N, HV, K, V] fp32 checkpoint, read only
+    q,  # [N, T, HV, K] (VERIFY only)
     k,  # [N, T, HV, K]
     v,  # [N, T, HV, V]
     g,  # [N, T, HV]
     beta,  # [N, T, HV]
-    accept_lens,  # [N] int
-    out,  # [N, HV, K, V] fp32, may alias state
+    accept_lens,  # [N] int (replay only)
+    out,  # replay: [N, HV, K, V] fp32 new state, may alias state; VERIFY: o [N, T, HV, V] fp32
     T,
     HV: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    VERIFY: tl.constexpr,  # False: replay accept_lens[n] tokens, store the state; True: all T, store o_t
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -107,53 +109,27 @@ def gated_delta_replay_fwd_kernel(
     m_s = m_k[:, None] & m_v[None, :]
     p_s = i_nh * K * V + o_k[:, None] * V + o_v[None, :]
 
-    n_acc = tl.minimum(tl.load(accept_lens + i_n).to(tl.int32), T)
     i_row = i_n * T * HV + i_h  # row of token t is i_row + t * HV
+    if VERIFY:
+        n_tok = T
+        b_q = tl.load(q + i_row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    else:
+        n_tok = tl.minimum(tl.load(accept_lens + i_n).to(tl.int32), T)
     b_k, b_v, b_g, b_beta = _load_token(k, v, g, beta, i_row, o_k, o_v, m_k, m_v, K, V)
     b_s = tl.load(state + p_s, mask=m_s, other=0.0)
-    for t in range(0, n_acc):
+    for t in range(0, n_tok):
         # prefetch token t+1 (clamped: stays in bounds) while token t is folded in; the loop is latency-bound
-        i_nxt = i_row + tl.minimum(t + 1, n_acc - 1) * HV
+        i_nxt = i_row + tl.minimum(t + 1, n_tok - 1) * HV
+        if VERIFY:
+            n_q = tl.load(q + i_nxt * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         n_k, n_v, n_g, n_beta = _load_token(k, v, g, beta, i_nxt, o_k, o_v, m_k, m_v, K, V)
         b_s = _gated_delta_step(b_s, b_k, b_v, b_g, b_beta)
+        if VERIFY:
+            tl.store(out + (i_row + t * HV) * V + o_v, tl.sum(b_s * b_q[:, None], axis=0), mask=m_v)
+            b_q = n_q
         b_k, b_v, b_g, b_beta = n_k, n_v, n_g, n_beta
-    tl.store(out + p_s, b_s, mask=m_s)
-
-
-@_kernels.jit
-def gated_delta_verify_fwd_kernel(
-    state,  # [N, HV, K, V] fp32, read only
-    q,  # [N, T, HV, K]
-    k,  # [N, T, HV, K]
-    v,  # [N, T, HV, V]
-    g,  # [N, T, HV]
-    beta,  # [N, T, HV]
-    o,  # [N, T, HV, V] fp32
-    T,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    i_n, i_h = i_nh // HV, i_nh % HV
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    p_s = i_nh * K * V + o_k[:, None] * V + o_v[None, :]
-
-    i_row = i_n * T * HV + i_h  # row of token t is i_row + t * HV
-    b_q = tl.load(q + i_row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_k, b_v, b_g, b_beta = _load_token(k, v, g, beta, i_row, o_k, o_v, m_k, m_v, K, V)
-    b_s = tl.load(state + p_s, mask=m_k[:, None] & m_v[None, :], other=0.0)
-    for t in range(0, T):
-        i_nxt = i_row + tl.minimum(t + 1, T - 1) * HV  # prefetch token t+1 (clamped)
-        n_q = tl.load(q + i_nxt * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        n_k, n_v, n_g, n_beta = _load_token(k, v, g, beta, i_nxt, o_k, o_v, m_k, m_v, K, V)
-        b_s = _gated_delta_step(b_s, b_k, b_v, b_g, b_beta)
-        tl.store(o + (i_row + t * HV) * V + o_v, tl.sum(b_s * b_q[:, None], axis=0), mask=m_v)
-        b_q, b_k, b_v, b_g, b_beta = n_q, n_k, n_v, n_g, n_beta
+    if not VERIFY:
+        tl.store(out + p_s, b_s, mask=m_s)
 
 
 def _check(state: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[int, ...]:
@@ -165,7 +141,7 @@ def _check(state: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tupl
     return N, T, HV, K, V
 
 
-def _launch(kernel, N: int, HV: int, K: int, V: int, *args) -> None:
+def _launch(N: int, HV: int, K: int, V: int, *args, verify: bool) -> None:
     """One program per (V-block, request x head). A [K, 16] fp32 tile on one warp was fastest on
     H200 at K = V = 128 (sweep of BV 8..64 x 1..8 warps): the loop is latency-bound, so many small
     programs beat few wide ones."""
@@ -173,7 +149,7 @@ def _launch(kernel, N: int, HV: int, K: int, V: int, *args) -> None:
 
     BK, BV = triton.next_power_of_2(K), min(triton.next_power_of_2(V), 16)
     grid = (triton.cdiv(V, BV), N * HV)
-    kernel[grid](*args, HV=HV, K=K, V=V, BK=BK, BV=BV, num_warps=max(1, BK // 128))
+    gated_delta_fwd_kernel[grid](*args, HV=HV, K=K, V=V, BK=BK, BV=BV, VERIFY=verify, num_warps=max(1, BK // 128))
 
 
 def gated_delta_replay(
@@ -189,7 +165,7 @@ def gated_delta_replay(
     out = torch.empty_like(state) if out is None else out
     assert out.shape == state.shape and out.dtype == torch.float32 and out.is_contiguous()
     assert accept_lens.shape == (N,) and not accept_lens.is_floating_point()
-    _launch(gated_delta_replay_fwd_kernel, N, HV, K, V, state, k, v, g, beta, accept_lens, out, T)
+    _launch(N, HV, K, V, state, state, k, v, g, beta, accept_lens, out, T, verify=False)  # q unused
     return out
 
 
@@ -202,5 +178,5 @@ def gated_delta_verify_outputs(
     assert q.shape == k.shape and q.is_contiguous()
     out = state.new_empty(N, T, HV, V) if out is None else out
     assert out.shape == (N, T, HV, V) and out.dtype == torch.float32 and out.is_contiguous()
-    _launch(gated_delta_verify_fwd_kernel, N, HV, K, V, state, q, k, v, g, beta, out, T)
+    _launch(N, HV, K, V, state, q, k, v, g, beta, out, out, T, verify=True)  # accept_lens unused
     return out

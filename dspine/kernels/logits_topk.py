@@ -112,7 +112,7 @@ def _merge_partials(part, o_m, m_m, S, K: tl.constexpr, KP: tl.constexpr, BLOCK_
         b_key = tl.load(part + o_row[:, None] + c0 + o_c[None, :], mask=m_c, other=-9223372036854775807,
                         cache_modifier=".cg")                      # [BLOCK_M, BLOCK_C], written by other programs
         b_key = tl.where(b_key > -9223372036854775807 + KP, b_key, -9223372036854775807)  # a short slice's empty slots
-        b_top = _insert_rows(b_top, b_key, True, K)
+        b_top = _insert_rows(b_top, b_key)
     return b_top
 
 
@@ -157,7 +157,7 @@ def logits_topk_fwd_kernel(
         b_kth = (tl.min(b_top, axis=1) >> 32).to(tl.int32)         # [BLOCK_M]
         if tl.max((tl.max(b_ord, axis=1) > b_kth).to(tl.int32), axis=0) > 0:
             b_key = tl.where(m_x, _key_of(b_ord, o_v[None, :]), -9223372036854775807)
-            b_top = _insert_rows(b_top, b_key, True, K)
+            b_top = _insert_rows(b_top, b_key)
 
     if MERGE == 0:
         _store_sorted(b_top, values, indices, o_m, m_m, K, KP)

@@ -24,11 +24,11 @@ logits). Their modules import these names and pass `_kernels` to their own `Lazy
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import Tensor
 
+from dspine import env
 from dspine.kernels.lazy_jit import LazyJit
 
 MASKED_KEY = -(2**63 - 1)
@@ -82,26 +82,17 @@ def _unpack_keys(b_key):
 
 
 @_kernels.jit
-def _insert_round(b_top, b_key, b_min, b_max):
-    """Rows whose best remaining candidate beats their k-th key swap it in; it leaves the tile."""
-    b_ins = b_max > b_min
-    b_top = tl.where((b_top == b_min[:, None]) & b_ins[:, None], b_max[:, None], b_top)
-    b_key = tl.where(b_key == b_max[:, None], -9223372036854775807, b_key)
-    return b_top, b_key, tl.min(b_top, axis=1), tl.max(b_key, axis=1)
-
-
-@_kernels.jit
-def _insert_rows(b_top, b_key, EARLY_EXIT: tl.constexpr, K: tl.constexpr):
-    """Merge candidate keys b_key [R, C] into the running top-k b_top [R, KP], row by row: at most
-    K rounds (EARLY_EXIT: only while some row still has a candidate above its k-th key)."""
+def _insert_rows(b_top, b_key):
+    """Merge candidate keys b_key [R, C] into the running top-k b_top [R, KP], row by row: while some
+    row's best remaining candidate beats its k-th key, that candidate replaces the k-th and leaves
+    the tile (at most k rounds)."""
     b_min = tl.min(b_top, axis=1)                                  # [R] current k-th key
     b_max = tl.max(b_key, axis=1)                                  # [R] best remaining candidate
-    if EARLY_EXIT:
-        while tl.max((b_max > b_min).to(tl.int32), axis=0) > 0:
-            b_top, b_key, b_min, b_max = _insert_round(b_top, b_key, b_min, b_max)
-    else:
-        for _ in tl.static_range(K):
-            b_top, b_key, b_min, b_max = _insert_round(b_top, b_key, b_min, b_max)
+    while tl.max((b_max > b_min).to(tl.int32), axis=0) > 0:
+        b_ins = b_max > b_min
+        b_top = tl.where((b_top == b_min[:, None]) & b_ins[:, None], b_max[:, None], b_top)
+        b_key = tl.where(b_key == b_max[:, None], -9223372036854775807, b_key)
+        b_min, b_max = tl.min(b_top, axis=1), tl.max(b_key, axis=1)
     return b_top
 
 
@@ -130,4 +121,4 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return env.TRITON_INTERPRET.get()

@@ -3,8 +3,10 @@
 Layout: `config.json` (`architectures: ["DSpineDraftModel"]`, Qwen3-style top-level shape keys so
 transformers and SGLang parse it, and a `dspine_config` block holding every `DSpineConfig` field)
 plus `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` with
-`model.safetensors.index.json` when larger than `max_shard_bytes`. A checkpoint resolves from a
-local directory or a hub id (`huggingface_hub.snapshot_download`, local cache first).
+`model.safetensors.index.json` when larger than `max_shard_bytes` (huggingface_hub's writer), a
+model card `README.md` with hub front matter, and optionally the target's identity
+(`dspine_target`). A checkpoint resolves from a local directory or a hub id
+(`huggingface_hub.snapshot_download`, local cache first).
 
 Saving writes into a temporary sibling directory and renames it into place, so an interrupted
 save leaves nothing half-written. Loading checks the config, then every tensor name, dtype and
@@ -22,10 +24,11 @@ import tempfile
 from pathlib import Path
 
 import torch
+from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from dspine import env
+from dspine.model.card import model_card
 from dspine.model.config import ConfigError, DSpineConfig
 from dspine.model.drafter import DSpineDrafter
 
@@ -56,27 +59,26 @@ class IncompatibleTargetError(CheckpointError):
 
 
 def save_checkpoint(model: DSpineDrafter, path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
-                    max_shard_bytes: int = 2 << 30, extra_config: dict | None = None) -> Path:
-    """Write `model` to directory `path` (replaced atomically if it exists). Returns the path."""
+                    max_shard_bytes: int | str = "5GB", extra_config: dict | None = None,
+                    target: dict | None = None, card: dict | None = None) -> Path:
+    """Write `model` to directory `path` (replaced atomically if it exists). Returns the path.
+
+    Shards through huggingface_hub's writer (`max_shard_bytes`, default 5 GB per file). `target`:
+    the target's identity (`dspine.engine.targets.target_identity`), stored as `dspine_target` and
+    checked at load time; `card`: the model card's training record (`dspine.model.card.CARD_FIELDS`)."""
     path = Path(path)
     dtype_name = {v: k for k, v in DTYPES.items()}[dtype]
     state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+    config = hf_config(model.config, dtype_name, extra_config)
+    if target is not None:
+        config["dspine_target"] = dict(target)
+    readme = model_card(path.name, model.config, target=target, card=card)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        (tmp / "config.json").write_text(json.dumps(hf_config(model.config, dtype_name, extra_config), indent=2) + "\n")
-        shards = _split(state, max_shard_bytes)
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / SINGLE_FILE), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / name), metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(shard, name))
-            total = sum(t.numel() * t.element_size() for t in state.values())
-            (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                     indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "README.md").write_text(readme)
+        save_torch_state_dict(state, tmp, max_shard_size=max_shard_bytes)
         install_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -98,8 +100,8 @@ def install_dir(tmp: Path, path: Path) -> None:
 
 
 def hf_config(cfg: DSpineConfig, dtype_name: str, extra: dict | None = None) -> dict:
-    """config.json contents: Qwen3-style shape keys (for transformers/SGLang), the `dflash_config`
-    mirror SGLang reads, and `dspine_config` (the source of truth)."""
+    """config.json contents: Qwen3-style shape keys, dtype and draft window (for transformers and
+    SGLang), the `dflash_config` mirror SGLang reads, and `dspine_config` (the source of truth)."""
     data = {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
@@ -114,7 +116,15 @@ def hf_config(cfg: DSpineConfig, dtype_name: str, extra: dict | None = None) -> 
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": False,
-        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,  # the name transformers < 4.56 and older readers use
+        "num_target_layers": cfg.num_target_layers,
+        # The context window, as transformers and SGLang's DFlash draft read it: every layer windowed,
+        # the block attending bidirectionally (not causal).
+        "layer_types": ["sliding_attention"] * cfg.num_hidden_layers,
+        "sliding_window": cfg.sliding_window,
+        "use_sliding_window": True,
+        "is_causal": False,
         "block_size": cfg.block_size,
         "dflash_config": dflash_config_for(cfg),
         "dspine_config": cfg.to_dict(),
@@ -128,19 +138,6 @@ def dflash_config_for(cfg: DSpineConfig) -> dict:
     mask id, block size); `dspine_config` stays the source of truth."""
     return {"block_size": cfg.block_size, "target_layer_ids": list(cfg.target_layer_ids),
             "num_target_layers": cfg.num_target_layers, "mask_token_id": cfg.mask_token_id}
-
-
-def _split(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards, current, size = [], {}, 0
-    for name in sorted(state):
-        t = state[name]
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > max_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name], size = t, size + nbytes
-    shards.append(current)
-    return shards
 
 
 DEFAULT_DRAFTER_NAME = "dspine-smollm2-135m-instruct"
@@ -224,10 +221,11 @@ def load_checkpoint(path_or_id: str | os.PathLike, *, target=None, device: torch
     """
     ckpt_dir = resolve_checkpoint_dir(path_or_id)
     cfg = read_config(ckpt_dir)
+    data = json.loads((ckpt_dir / "config.json").read_text())
     if target is not None:
-        check_target_compatible(cfg, target.config)
-    saved_dtype = DTYPES.get(json.loads((ckpt_dir / "config.json").read_text()).get("torch_dtype", "float32"),
-                             torch.float32)
+        check_target_compatible(cfg, target.config, saved_target=data.get("dspine_target"))
+    dtype_key = "dtype" if "dtype" in data else "torch_dtype"
+    saved_dtype = DTYPES.get(data.get(dtype_key, "float32"), torch.float32)
     model = DSpineDrafter(cfg)
     expected = model.state_dict()
     files = _tensor_files(ckpt_dir)
@@ -251,7 +249,7 @@ def load_checkpoint(path_or_id: str | os.PathLike, *, target=None, device: torch
                     raise TensorMismatchError(f"{ckpt_dir}: tensor {name} has shape {tuple(t.shape)}, the config "
                                               f"implies {tuple(want.shape)}")
                 if t.dtype != saved_dtype:
-                    raise TensorMismatchError(f"{ckpt_dir}: tensor {name} is {t.dtype}, config.json torch_dtype says "
+                    raise TensorMismatchError(f"{ckpt_dir}: tensor {name} is {t.dtype}, config.json {dtype_key} says "
                                               f"{saved_dtype}: re-save the checkpoint in one dtype")
                 state[name] = t
     model.load_state_dict(state, strict=True)
@@ -261,9 +259,23 @@ def load_checkpoint(path_or_id: str | os.PathLike, *, target=None, device: torch
     return model
 
 
-def check_target_compatible(cfg: DSpineConfig, target_config) -> None:
-    """Raise `IncompatibleTargetError` naming the first field that does not match the target."""
+def check_target_compatible(cfg: DSpineConfig, target_config, saved_target: dict | None = None) -> None:
+    """Raise `IncompatibleTargetError` naming the first field that does not match the target; with
+    `saved_target` (the checkpoint's `dspine_target`), also when its fingerprint differs from the
+    target's (`dspine.engine.targets.target_identity`)."""
     tc = target_config
+    if saved_target and saved_target.get("fingerprint"):
+        from dspine.engine.targets import IDENTITY_FIELDS, target_identity
+
+        found = target_identity(tc)
+        if found["fingerprint"] != saved_target["fingerprint"]:
+            differ = {k: (saved_target.get(k), found.get(k)) for k in IDENTITY_FIELDS
+                      if saved_target.get(k) != found.get(k)}
+            raise IncompatibleTargetError(
+                f"this drafter was trained for target {saved_target.get('name')!r} (fingerprint "
+                f"{saved_target['fingerprint']}), the target given has fingerprint {found['fingerprint']} "
+                f"(trained vs given: {differ}): load the target it was trained for, or train a drafter for "
+                f"this one (`dspine train --target ...`)")
     checks = [
         ("vocab_size", cfg.vocab_size, tc.vocab_size),
         ("hidden_size", cfg.hidden_size, tc.hidden_size),

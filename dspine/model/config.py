@@ -62,7 +62,7 @@ class DSpineConfig:
     injection_top_k: int = 8
     # "per_layer": every layer scores the whole vocabulary for its top-k; "first_layer": layer 1 does,
     # layers 2.. re-weight layer 1's k candidates with their own scores (one vocabulary scan a round).
-    injection_candidates: str = "per_layer"
+    injection_candidates: str = "first_layer"  # what the shipped drafter and the training configs use
     selection: str = "transition"
     selection_top_k: int = 8
     transition_lambda: float = 1.0

@@ -1,10 +1,13 @@
 """The flag rules of a DSPINE server, as plain functions (no SGLang import).
 
 Two callers apply the same rules at two moments:
-- `dspine serve` (`dspine.serve.presets`) before it launches anything, so a bad combination
-  fails in a second with the flag named, not minutes into a server start;
+- `dspine serve` (`dspine.serve.presets.validate_flags`) before it launches anything, so a bad
+  combination fails in a second with the flag named, not minutes into a server start;
 - the plugin's `DSpineSpecAlgo.handle_server_args` inside SGLang's own resolution, for users who
-  launch `sglang serve` directly.
+  launch `sglang serve` directly (and the DSPINE worker, for the switch file).
+
+The decode-step policy is the switch file `DSPINE_DYNAMIC` names (`dspine.dynamic.switch`): none
+(static speculation), the dynamic switch, or a forced one; `resolve_step_switch` loads it.
 
 Every check raises `FlagError`, whose message names the flag, the value and the fix.
 """
@@ -12,13 +15,23 @@ Every check raises `FlagError`, whose message names the flag, the value and the 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dspine import env
+
+if TYPE_CHECKING:  # the switch's tables import torch; `dspine serve --help` must not
+    from dspine.dynamic.switch import ForcedSwitch, SwitchConfig
 
 ALGORITHM = "DSPINE"
 DEFAULT_BLOCK_SIZE = 16  # anchor + 15 proposals: SGLang's `--speculative-num-draft-tokens 16`
 DEFAULT_MAX_RUNNING_REQUESTS = 48  # what SGLang's DFLASH picks; DSPINE sets it explicitly
 DEFAULT_REPLAYSSM_CACHE_LEN = 16  # SGLang's default `--linear-replayssm-cache-len`
 RAGGED_VERIFY_ENV = "SGLANG_RAGGED_VERIFY_MODE"
+# `/server_info` `internal_states[*]` key under which a DSPINE worker reports its decode-step clock
+# (`dspine.sglang.step_clock` writes it, `dspine tune-sps` reads it): {kind: {batch size: [steps, seconds]}}
+STEP_TIME_STATE_KEY = "dspine_step_time_dict"
 
 
 class FlagError(ValueError):
@@ -139,58 +152,39 @@ def check_replayssm(enabled: bool, cache_len: int | None, num_draft_tokens: int,
                         f"Fix: unset {RAGGED_VERIFY_ENV} or set it to static.")
 
 
-SWITCH_FILE_ENV = "DSPINE_DYNAMIC"   # a switch file (dspine.dynamic.switch): draft or decode plainly per step
-FORCE_STEP_ENV = "DSPINE_SWITCH"     # "plain" | "draft": every decode step one kind (tables, diagnostics)
-FORCED_STEPS = ("plain", "draft")
-PLAIN_TOKENS_ENV = "DSPINE_PLAIN_TOKENS"   # with DSPINE_SWITCH=plain: target tokens per plain step (default 1)
-
-
-def resolve_step_switch(environ) -> tuple[str, str | None]:
-    """The decode-step policy a DSPINE server's environment asks for: ("static", None) by default,
-    ("dynamic", switch file) with DSPINE_DYNAMIC, ("plain"|"draft", None) with DSPINE_SWITCH."""
-    path, forced = environ.get(SWITCH_FILE_ENV) or None, environ.get(FORCE_STEP_ENV) or None
-    if forced is not None and forced not in FORCED_STEPS:
-        raise FlagError(f"{FORCE_STEP_ENV}={forced!r}: use 'plain' (every decode step plain, {PLAIN_TOKENS_ENV} "
-                        "tokens per request, e.g. to measure the plain-step table) or 'draft' (every step drafts), "
-                        "or unset it")
-    if path is not None and forced is not None:
-        raise FlagError(f"{SWITCH_FILE_ENV} and {FORCE_STEP_ENV} are both set: the switch file decides per step, "
-                        f"{FORCE_STEP_ENV} forces one kind of step. Fix: unset one of them")
-    if path is not None:
-        if not Path(path).is_file():
-            raise FlagError(f"{SWITCH_FILE_ENV}={path}: no such file. Fix: point it at the switch.json that "
-                            "`dspine tune-sps --plain-table ...` wrote")
-        return "dynamic", path
-    return (forced, None) if forced is not None else ("static", None)
-
-
-def resolve_plain_tokens(environ) -> int | None:
-    """DSPINE_PLAIN_TOKENS (with DSPINE_SWITCH=plain): target tokens per plain step, 1 when unset; None
-    when no step is forced plain (a switch file carries its own `plain_tokens`, measured with it)."""
-    policy, _ = resolve_step_switch(environ)
-    value = environ.get(PLAIN_TOKENS_ENV) or None
-    if policy != "plain":
-        if value is not None:
-            where = (f"the switch file ({SWITCH_FILE_ENV}) sets plain_tokens, the value its plain table was "
-                     "measured with" if policy == "dynamic" else "only plain steps read it")
-            raise FlagError(f"{PLAIN_TOKENS_ENV}={value} without {FORCE_STEP_ENV}=plain: {where}. "
-                            f"Fix: unset {PLAIN_TOKENS_ENV}")
+def resolve_step_switch(environ: Mapping[str, str] | None = None) -> SwitchConfig | ForcedSwitch | None:
+    """The switch file a DSPINE server's environment names (`DSPINE_DYNAMIC`), loaded and validated:
+    None (static speculation) when unset, else the dynamic switch or a forced one (`.policy`:
+    "dynamic", "plain" or "draft"; `.plain_tokens`: target tokens per plain step, None when none runs)."""
+    path = env.DSPINE_DYNAMIC.get(environ)
+    if path is None:
         return None
-    if value is None:
-        return 1
+    if not path.is_file():
+        raise FlagError(f"{env.DSPINE_DYNAMIC.name}={path}: no such file. Fix: point it at the switch.json that "
+                        "`dspine tune-sps --plain-table ...` wrote, or at a forced switch file "
+                        '({"force": "plain", "plain_tokens": K} or {"force": "draft"})')
+    from dspine.dynamic.switch import SwitchConfigError, load_switch
+
     try:
-        tokens = int(value)
-    except ValueError:
-        tokens = 0
-    if tokens < 1:
-        raise FlagError(f"{PLAIN_TOKENS_ENV}={value!r}: a positive integer (target tokens per plain step, at most "
-                        "the block size), e.g. 8")
-    return tokens
+        return load_switch(path)
+    except SwitchConfigError as err:
+        raise FlagError(f"{env.DSPINE_DYNAMIC.name}: {err}") from None
 
 
 def check_switch_target(policy: str, replayssm_on: bool) -> None:
-    """The speculation switch's plain steps do not commit ReplaySSM state: not with hybrid targets."""
+    """The speculation switch's plain steps do not commit ReplaySSM state: not with hybrid targets.
+    `policy`: "static" (no switch file), "dynamic", "plain" or "draft"."""
     if policy in ("dynamic", "plain") and replayssm_on:
-        raise FlagError(f"{SWITCH_FILE_ENV} / {FORCE_STEP_ENV} with --enable-linear-replayssm-spec: the speculation "
-                        "switch does not serve hybrid linear-attention targets (ReplaySSM verifies statically). "
-                        f"Fix: unset {SWITCH_FILE_ENV} and {FORCE_STEP_ENV}")
+        raise FlagError(f"{env.DSPINE_DYNAMIC.name} ({policy} switch) with --enable-linear-replayssm-spec: the "
+                        "speculation switch does not serve hybrid linear-attention targets (ReplaySSM verifies "
+                        f"statically). Fix: unset {env.DSPINE_DYNAMIC.name}")
+
+
+def check_plain_tokens(switch: SwitchConfig | ForcedSwitch | None, num_draft_tokens: int) -> None:
+    """A plain step of K tokens per request fits SGLang's one block of KV slots per request and step:
+    K <= --speculative-num-draft-tokens."""
+    tokens = None if switch is None else switch.plain_tokens
+    if tokens is not None and tokens > num_draft_tokens:
+        raise FlagError(f"{env.DSPINE_DYNAMIC.name}: the switch file's plain_tokens={tokens} exceeds "
+                        f"--speculative-num-draft-tokens {num_draft_tokens}: SGLang reserves one block of KV slots "
+                        f"per request and step. Fix: a switch file with plain_tokens {num_draft_tokens} or less")

@@ -4,7 +4,7 @@ Three checks, each printed as it runs:
 
 1. a plain chat completion (greedy), sent twice: the first call only warms the server's prefix
    cache, so the compared answers both find the prompt cached (in bf16 a cached prefill can flip a
-   near-tie, see shared/gpu/README.md);
+   near-tie);
 2. a streamed one: tokens are printed as they arrive, and their concatenation must equal the
    non-streamed greedy answer of step 1 (same prompt, temperature 0, same max_tokens);
 3. a chat completion with `tools` (one function schema): prints the tool call when the model makes
@@ -13,7 +13,7 @@ Three checks, each printed as it runs:
 Exits 0 when all three pass, 1 with a clear message on any protocol error (HTTP error, malformed
 response, stream mismatch, unparsable tool arguments). Nothing here is SGLang-specific.
 
-    python dspine/serve/openai_demo.py --base-url http://127.0.0.1:30000/v1
+    python scripts/openai_client_demo.py --base-url http://127.0.0.1:30000/v1
 """
 
 from __future__ import annotations
@@ -133,4 +133,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -8,7 +8,7 @@ Step time, per concurrency level, from one of three sources (each row says which
 
 * `dspine_step_clock` (preferred): a DSPINE server started with `SGLANG_RECORD_STEP_TIME=1` also
   reports its worker's decode-step periods (`internal_states[*].dspine_step_time_dict`,
-  `dspine.sglang.step_clock`): launch-to-launch time of consecutive decode steps, prefills
+  written by the worker's step clock): launch-to-launch time of consecutive decode steps, prefills
   excluded, per step kind ("plain" when `--verify-tokens 1`, else "draft") and batch size; one row
   per (bs, level) with steps/s = steps / seconds.
 * `server_step_time`: the server was started with `SGLANG_RECORD_STEP_TIME=1`, so `/server_info`
@@ -35,322 +35,68 @@ unless `--restart`):
   e.g. the tune run's `sts_affine.json`, checked on this run's acceptance records, e.g. `--split
   heldout`): predicted vs observed acceptance per position, in points, and survival ECE raw vs
   calibrated.
-* `switch.json` with `--plain-table FILE` (the `sps_table.json` of a run against the same server
-  started with `DSPINE_SWITCH=plain DSPINE_PLAIN_TOKENS=K`, measured with `--verify-tokens 1`; pass
-  the same `--plain-tokens K`): the speculation switch's file (`dspine.dynamic.switch`): this run's
-  table for drafting steps, FILE for plain steps of K tokens, the affine calibration and the prior
-  (the acceptance records' observed survival per position).
-  Serve with `DSPINE_DYNAMIC=<out>/switch.json` in the server's environment.
-* `manifest.json`, `sps.png` (+ `calibration.png`; skipped without matplotlib), and the
-  `dspine serve` command that uses them, printed last.
+* `switch.json` with `--plain-table FILE` (the `sps_table.json` of a run, with `--verify-tokens 1`,
+  against the same deployment started with a forced plain switch file, `DSPINE_DYNAMIC=<file>` holding
+  `{"force": "plain", "plain_tokens": K}`; pass the same `--plain-tokens K`): the speculation switch's
+  file (`dspine.dynamic.switch`): this run's table for drafting steps, FILE for plain steps of K
+  tokens, the affine calibration and the prior (the acceptance records' observed survival per
+  position).
+* `manifest.json`, `sps.png` (+ `calibration.png`; skipped without matplotlib), and, printed last,
+  the command that serves this deployment with them: `DSPINE_DYNAMIC=<out>/switch.json dspine serve
+  --preset NAME ...` (`sglang serve ...` with `--url`). A DSPINE server reads the tables and the
+  calibration only through a switch file, so without `--plain-table` the command serves statically
+  and a note says how to get the switch file.
+
+Modules: `tune_sps_cli` (the command line, light: no torch), `sps_measure` (replay, step times,
+acceptance records, a server from a preset), `sps_fit` (tables, calibration), this one (the sweep
+and the outputs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import signal
-import socket
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dspine.sglang.step_clock import STATE_KEY as CLOCK_KEY
-from dspine.data.traces import TraceError, TraceRequest, file_sha256, load_traces, write_jsonl_atomic
+from dspine import env
+from dspine.data.traces import TraceError, TraceRequest, file_sha256, load_traces
+from dspine.dynamic.calibration import PositionCalibration
+from dspine.dynamic.cost_tables import sps_table_to_json
+from dspine.dynamic.switch import SwitchConfigError, write_switch_file
+from dspine.serve.flags import ALGORITHM
+from dspine.serve.sps_fit import (
+    TuningError,
+    check_calibration,
+    fit_additive,
+    fit_calibration,
+    fit_diagonal,
+    observed_survival,
+)
+from dspine.serve.sps_measure import (
+    clock_delta,
+    clock_totals,
+    collect_acceptance,
+    launched_server,
+    level_rows,
+    new_step_times,
+    replay,
+    step_time_dict,
+)
+from dspine.utils.atomic import write_json_atomic, write_jsonl_atomic, write_text_atomic
+from dspine.utils.http import HttpClient, HttpError
 
-DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
 DEFAULT_VERIFY_TOKENS = 16
 ROUNDS, TABLE, ADDITIVE, ACCEPTANCE, STS, STS_AFFINE, CHECK, MANIFEST = (
     "rounds.jsonl", "sps_table.json", "sps_table_additive.json", "acceptance.jsonl", "sts.json", "sts_affine.json",
     "calibration_check.json", "manifest.json")
 SWITCH = "switch.json"
-M_BIN = 64          # additive fit: verify-token cells binned by 64, as SGLang's profiler
 _FLAG_KEYS = ("tp_size", "dp_size", "pp_size", "attention_backend", "cuda_graph_max_bs", "cuda_graph_bs",
               "disable_cuda_graph", "max_running_requests", "mem_fraction_static", "enable_dp_attention",
               "disable_overlap_schedule", "dtype", "kv_cache_dtype")
-
-
-class TuningError(RuntimeError):
-    """The sweep cannot go on; the message says what failed and what to do."""
-
-
-# ------------------------------------------------------------------------------------ HTTP
-@dataclass
-class Client:
-    """JSON over HTTP with the stdlib. `url` is the server root, e.g. http://127.0.0.1:30000."""
-
-    url: str
-    timeout: float = 600.0
-
-    def get(self, path: str) -> dict:
-        with urllib.request.urlopen(self.url.rstrip("/") + path, timeout=self.timeout) as resp:
-            return json.loads(resp.read())
-
-    def post(self, path: str, body: dict) -> dict:
-        req = urllib.request.Request(self.url.rstrip("/") + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as err:
-            raise TuningError(f"POST {path}: HTTP {err.code}: {err.read()[:300]!r}") from None
-
-
-def step_time_dict(info: dict) -> dict[int, list[float]] | None:
-    """`internal_states[*].step_time_dict` merged over ranks as {bs: [seconds]}; None when no rank
-    reports one (the server was not started with SGLANG_RECORD_STEP_TIME=1)."""
-    states = [s for s in info.get("internal_states") or [] if isinstance(s, dict) and "step_time_dict" in s]
-    if not states:
-        return None
-    merged: dict[int, list[float]] = {}
-    for state in states:
-        for bs, times in (state["step_time_dict"] or {}).items():
-            merged.setdefault(int(bs), []).extend(float(t) for t in (times if isinstance(times, list) else [times]))
-    return merged
-
-
-def clock_totals(info: dict, kind: str) -> dict[int, tuple[int, float]] | None:
-    """`internal_states[*].dspine_step_time_dict[kind]` as {bs: (steps, seconds)}, summed over ranks
-    (each rank times the same steps: the ratio is unchanged); None when no rank reports a clock."""
-    states = [s for s in info.get("internal_states") or [] if isinstance(s, dict) and CLOCK_KEY in s]
-    if not states:
-        return None
-    totals: dict[int, tuple[int, float]] = {}
-    for state in states:
-        for bs, (steps, seconds) in ((state[CLOCK_KEY] or {}).get(kind) or {}).items():
-            old = totals.get(int(bs), (0, 0.0))
-            totals[int(bs)] = (old[0] + int(steps), old[1] + float(seconds))
-    return totals
-
-
-def clock_delta(before: dict[int, tuple[int, float]],
-                after: dict[int, tuple[int, float]]) -> dict[int, tuple[int, float]]:
-    """The decode steps (count, seconds) per batch size timed between two snapshots."""
-    out = {}
-    for bs, (steps, seconds) in after.items():
-        old_steps, old_seconds = before.get(bs, (0, 0.0))
-        if steps > old_steps:
-            out[bs] = (steps - old_steps, seconds - old_seconds)
-    return out
-
-
-def new_step_times(before: dict[int, list[float]], after: dict[int, list[float]]) -> dict[int, list[float]]:
-    """The intervals recorded between two snapshots (a list that shrank was reset: all of it is new)."""
-    out = {}
-    for bs, times in after.items():
-        old = before.get(bs, [])
-        fresh = times[len(old):] if len(times) >= len(old) else times
-        if fresh:
-            out[bs] = fresh
-    return out
-
-
-# ------------------------------------------------------------------------------------ replay
-@dataclass
-class Result:
-    latency: float
-    completion_tokens: int
-
-
-def replay(client: Client, requests: list[TraceRequest], concurrency: int, count: int, *, model: str | None,
-           max_tokens: int, deadline: float, progress=None) -> tuple[list[Result], list[str]]:
-    """Send `count` requests (cycling through `requests`) with at most `concurrency` in flight;
-    requests not started by `deadline` (time.monotonic) are skipped. Returns (results, errors)."""
-    def one(i: int) -> Result | str | None:
-        if time.monotonic() > deadline:
-            return None
-        body = requests[i % len(requests)].to_openai(model, max_tokens)
-        start = time.monotonic()
-        try:
-            resp = client.post("/v1/chat/completions", body)
-            tokens = int(resp["usage"]["completion_tokens"])
-        except (TuningError, OSError, KeyError, TypeError, ValueError) as err:
-            return f"{requests[i % len(requests)].source}: {err}"
-        finally:
-            if progress is not None:
-                progress.update(1)
-        return Result(time.monotonic() - start, tokens)
-
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        outcomes = list(pool.map(one, range(count)))
-    return [o for o in outcomes if isinstance(o, Result)], [o for o in outcomes if isinstance(o, str)]
-
-
-def level_rows(concurrency: int, results: list[Result], steps: dict[int, list[float]] | None,
-               verify_tokens: int, dp_size: int, clock: dict[int, tuple[int, float]] | None = None) -> list[dict]:
-    """rounds.jsonl rows of one level: the DSPINE step clock if it timed steps, else server step
-    times if given, else client timing."""
-    if clock:
-        return [{"batch_size_per_rank": bs, "batch_tokens": bs * verify_tokens, "steps_per_sec": n / seconds,
-                 "frac": 1.0, "concurrency": concurrency, "source": "dspine_step_clock", "steps": n}
-                for bs, (n, seconds) in sorted(clock.items()) if bs > 0 and seconds > 0]
-    if steps is not None:
-        return [{"batch_size_per_rank": bs, "batch_tokens": bs * verify_tokens, "steps_per_sec": 1.0 / t,
-                 "frac": 1.0, "concurrency": concurrency, "source": "server_step_time"}
-                for bs in sorted(steps) for t in steps[bs] if t > 0 and bs > 0]
-    rates = [r.completion_tokens / r.latency for r in results if r.completion_tokens > 0 and r.latency > 0]
-    if not rates:
-        return []
-    bs = max(1, concurrency // dp_size)
-    return [{"batch_size_per_rank": bs, "batch_tokens": bs * verify_tokens, "steps_per_sec": statistics.median(rates),
-             "frac": 1.0, "concurrency": concurrency, "source": "client_timing", "requests": len(rates)}]
-
-
-# ------------------------------------------------------------------------------------ fitting
-def fit_diagonal(rounds: list[dict], max_batch_tokens: int | None = None):
-    """SpsCostTable from the frac-1 rows: the median steps/s per batch_tokens (as SGLang's `fit`)."""
-    from dspine.dynamic.verification import SpsCostTable
-
-    cells: dict[int, list[float]] = {}
-    for row in rounds:
-        if row.get("frac", 1.0) >= 1.0:
-            cells.setdefault(int(row["batch_tokens"]), []).append(float(row["steps_per_sec"]))
-    if not cells:
-        raise TuningError("no diagonal (frac = 1) rows to fit: every level failed; check the server log")
-    probes = sorted(cells)
-    return SpsCostTable(sample_batch_tokens=tuple(probes),
-                        sample_steps_per_sec=tuple(statistics.median(cells[p]) for p in probes),
-                        max_batch_tokens=max(probes[-1], max_batch_tokens or 0))
-
-
-def _hat_basis(xs: list[float], probes: list[int]):
-    """[n, len(probes)] piecewise-linear interpolation weights, clamped beyond the ends."""
-    import torch
-
-    x = torch.tensor(xs, dtype=torch.float64).clamp(probes[0], probes[-1])
-    basis = torch.zeros(len(xs), len(probes), dtype=torch.float64)
-    if len(probes) == 1:
-        return basis.fill_(1.0)
-    p = torch.tensor(probes, dtype=torch.float64)
-    hi = torch.bucketize(x, p, right=True).clamp(1, len(probes) - 1)
-    w = (x - p[hi - 1]) / (p[hi] - p[hi - 1])
-    rows = torch.arange(len(xs))
-    basis[rows, hi - 1] = 1 - w
-    basis[rows, hi] += w
-    return basis
-
-
-def fit_additive(rounds: list[dict]):
-    """SpsAdditiveCostTable T(bs, M) = bias + alpha(bs) + theta(M), least squares over every row
-    (alpha and theta are 0 at their first probe; M binned by 64 above 64). None when the rows have
-    no off-diagonal (frac < 1) cell, or the fit gives a non-positive bias."""
-    import torch
-
-    from dspine.dynamic.verification import SpsAdditiveCostTable
-
-    if not any(row.get("frac", 1.0) < 1.0 for row in rounds):
-        return None
-    bs = [float(r["batch_size_per_rank"]) for r in rounds]
-    m = [float(r["batch_tokens"]) for r in rounds]
-    bs_probes = sorted({int(b) for b in bs})
-    m_probes = sorted({int(v) if v < M_BIN else M_BIN * round(v / M_BIN) for v in m})
-    design = torch.cat([torch.ones(len(rounds), 1, dtype=torch.float64),
-                        _hat_basis(bs, bs_probes)[:, 1:], _hat_basis(m, m_probes)[:, 1:]], dim=1)
-    seconds = torch.tensor([1.0 / r["steps_per_sec"] for r in rounds], dtype=torch.float64)
-    coef = torch.linalg.lstsq(design, seconds[:, None]).solution[:, 0].tolist()
-    bias, k = coef[0], len(bs_probes) - 1
-    if not bias > 0:
-        return None
-    return SpsAdditiveCostTable(bias_seconds=bias, bs_probes=tuple(bs_probes), alpha_seconds=(0.0, *coef[1:1 + k]),
-                                m_probes=tuple(m_probes), theta_seconds=(0.0, *coef[1 + k:]))
-
-
-def render_prompt(request: TraceRequest) -> str:
-    """Plain "role: content" text for /generate (no chat template: acceptance probes only)."""
-    lines = [f"{m['role']}: {m.get('content') if isinstance(m.get('content'), str) else json.dumps(m.get('content'))}"
-             for m in request.messages]
-    return "\n".join(lines) + "\nassistant:"
-
-
-def collect_acceptance(client: Client, requests: list[TraceRequest], count: int, max_tokens: int) -> list[dict]:
-    """`count` /generate calls (sequential); one record per call with what meta_info holds:
-    completion_tokens, spec_verify_ct, and DSPINE's per-step confidence logits / accept lengths."""
-    records = []
-    for request in requests[:count]:
-        body = {"text": render_prompt(request),
-                "sampling_params": {"max_new_tokens": max_tokens, "temperature": request.temperature or 0.0}}
-        meta = client.post("/generate", body).get("meta_info", {})
-        records.append({"source": request.source, **{k: meta[k] for k in (
-            "completion_tokens", "spec_verify_ct", "dspine_confidence_logits", "dspine_accept_lens") if k in meta}})
-    return records
-
-
-def recorded_rounds(records: list[dict]):
-    """(logits [n, N] fp64, accepted drafts [n]) over the records' verify steps, or None without them."""
-    import torch
-
-    logits, accept = [], []
-    for rec in records:
-        if "dspine_confidence_logits" in rec and "dspine_accept_lens" in rec:
-            logits.extend(rec["dspine_confidence_logits"])
-            accept.extend(rec["dspine_accept_lens"])
-    if not logits:
-        return None
-    return torch.tensor(logits, dtype=torch.float64), torch.tensor(accept)
-
-
-def observed_survival(records: list[dict]) -> list[float] | None:
-    """[N-1]: the share of recorded verify steps that accepted at least j+1 proposals (the switch's
-    prior), or None without per-step records."""
-    from dspine.dynamic.verification import observed_survival as survival
-
-    rounds = recorded_rounds(records)
-    if rounds is None:
-        return None
-    logits, accepted = rounds
-    return survival(accepted, logits.shape[1]).tolist()
-
-
-def fit_calibration(records: list[dict], dataset: str, affine: bool = False):
-    """PositionCalibration (temperature-only, or `affine`) from the records' per-step logits and
-    accept lengths, or None without them."""
-    from dspine.dynamic.verification import PositionCalibration
-
-    rounds = recorded_rounds(records)
-    if rounds is None:
-        return None
-    return PositionCalibration.fit(*rounds, dataset=dataset, affine=affine)
-
-
-def check_calibration(calibration, path: Path, records: list[dict]) -> dict:
-    """`calibration` (a PositionCalibration fitted elsewhere, read from `path`) against these
-    records: per position the predicted and observed P(accepted drafts >= j) and their gap in
-    points; survival ECE raw (identity) and calibrated. Raises TuningError without recorded
-    confidences or on a width mismatch."""
-    from dspine.dynamic.verification import PositionCalibration
-
-    rounds = recorded_rounds(records)
-    if rounds is None:
-        raise TuningError("--check-calibration: the acceptance records hold no dspine_confidence_logits (start the "
-                          "DSPINE server with DSPINE_RECORD_CONFIDENCE=1)")
-    try:
-        gaps = calibration.survival_gaps(*rounds)
-    except ValueError as err:
-        raise TuningError(f"--check-calibration {path}: {err}") from None
-    raw = PositionCalibration.identity(rounds[0].shape[1]).calibration_error(*rounds)[1]
-    return {"calibration": str(path), "rounds": int(rounds[0].shape[0]), "ece_raw": raw,
-            "ece_calibrated": calibration.calibration_error(*rounds)[1],
-            "max_abs_gap_points": max(abs(g["gap_points"]) for g in gaps), "positions": gaps}
-
-
-# ------------------------------------------------------------------------------------ outputs
-def write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -394,18 +140,21 @@ def plot_outputs(out: Path, rounds: list[dict], table, calibration) -> list[str]
     return written
 
 
-def serve_command(preset: str | None, info: dict, table: Path, sts: Path | None) -> str:
-    """The `dspine serve` command that uses the fitted files."""
-    args = ["dspine", "serve", "--preset", preset or "<your-preset>"]
-    if preset is None:
-        for flag, key in (("--model-path", "model_path"), ("--speculative-draft-model-path",
-                                                            "speculative_draft_model_path")):
-            if info.get(key):
-                args += [flag, str(info[key])]
-    args += ["--speculative-dspark-sps-table-path", str(table.resolve())]
-    if sts is not None:
-        args += ["--speculative-dspark-confidence-sts-path", str(sts.resolve())]
-    return shlex.join(args)
+def serve_command(preset: str | None, serve_args: list[str], info: dict, switch: Path | None) -> str:
+    """The command that serves the measured deployment with the switch file `switch` (None: none
+    was written, the server speculates statically). With `preset`: `dspine serve --preset` and the
+    sglang flags the sweep's server ran with; else `sglang serve` with the target, the drafter and the
+    verify width the server at --url reports. Every flag is one a DSPINE server reads."""
+    if preset is not None:
+        args = ["dspine", "serve", "--preset", preset, *serve_args]
+    else:
+        args = ["sglang", "serve", "--model-path", str(info.get("model_path") or "<target>"),
+                "--speculative-algorithm", ALGORITHM, "--speculative-draft-model-path",
+                str(info.get("speculative_draft_model_path") or "<drafter>")]
+        if info.get("speculative_num_draft_tokens"):
+            args += ["--speculative-num-draft-tokens", str(info["speculative_num_draft_tokens"])]
+    prefix = [] if switch is None else [f"{env.DSPINE_DYNAMIC.name}={shlex.quote(str(switch.resolve()))}"]
+    return " ".join(prefix + [shlex.join(args)])
 
 
 def manifest(args, info: dict, traces: list[Path], requests: list[TraceRequest], rounds: list[dict],
@@ -433,68 +182,22 @@ def manifest(args, info: dict, traces: list[Path], requests: list[TraceRequest],
     }
 
 
-# ------------------------------------------------------------------------------------ server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def launched_server(preset: str, serve_args: list[str], log_path: Path, startup_timeout: float):
-    """Start `dspine serve --preset` (its command builder, SGLANG_RECORD_STEP_TIME=1 and
-    DSPINE_RECORD_CONFIDENCE=1) on a free
-    loopback port, wait until /server_info answers, yield the URL, stop the process group after."""
-    from dspine.serve.presets import build_serve_command, load_preset
-
-    port = free_port()
-    command = build_serve_command(load_preset(preset), [*serve_args, "--host", "127.0.0.1", "--port", str(port)])
-    if command.errors:
-        raise TuningError("dspine serve would refuse this preset: " + "; ".join(command.errors))
-    print(command.render(), file=sys.stderr)
-    env = {**os.environ, **command.env, "SGLANG_RECORD_STEP_TIME": "1", "DSPINE_RECORD_CONFIDENCE": "1"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command.argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url, client = f"http://127.0.0.1:{port}", Client(f"http://127.0.0.1:{port}", timeout=5)
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise TuningError(f"the server exited with code {proc.returncode} while starting; see {log_path}")
-            try:
-                client.get("/server_info")
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TuningError(f"the server did not answer within {startup_timeout:.0f} s; see {log_path} "
-                                      "or raise --startup-timeout") from None
-                time.sleep(2)
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
 # ------------------------------------------------------------------------------------ the sweep
-def tune(args, url: str, requests: list[TraceRequest], reference=None) -> int:
+def tune(args, url: str, requests: list[TraceRequest], reference=None, serve_args: list[str] = ()) -> int:
     """The sweep, the fits and the outputs in args.out for the server at `url`; `reference`: the
-    `--check-calibration` file's PositionCalibration (read before any server started), or None."""
+    `--check-calibration` file's PositionCalibration (read before any server started), or None;
+    `serve_args`: the sglang flags a --preset server was started with."""
+    serve_args = list(serve_args)
     from tqdm import tqdm
-
-    from dspine.dynamic.verification import sps_table_to_json
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     traces = [Path(p) for p in args.traces]
-    client = Client(url, timeout=args.request_timeout)
+    client = HttpClient(url, timeout=args.request_timeout)
+    replay_client = HttpClient(url, timeout=args.request_timeout, retries=0)   # a retry would skew latencies
     try:
         info = client.get("/server_info")
-    except OSError as err:
+    except (HttpError, ValueError) as err:
         raise TuningError(f"cannot read {url}/server_info ({err}): start the server, or fix --url") from None
     notes: list[str] = []
     verify_tokens = args.verify_tokens or info.get("speculative_num_draft_tokens")
@@ -525,7 +228,7 @@ def tune(args, url: str, requests: list[TraceRequest], reference=None) -> int:
             bar.set_postfix(concurrency=c)
             info_before = client.get("/server_info")
             before, clock_before = step_time_dict(info_before), clock_totals(info_before, clock_kind)
-            results, errors = replay(client, requests, c, counts[c], model=model, max_tokens=args.max_tokens,
+            results, errors = replay(replay_client, requests, c, counts[c], model=model, max_tokens=args.max_tokens,
                                      deadline=time.monotonic() + args.level_timeout, progress=bar)
             info_after = client.get("/server_info") if before is not None or clock_before is not None else {}
             after = step_time_dict(info_after) if before is not None else None
@@ -585,8 +288,6 @@ def tune(args, url: str, requests: list[TraceRequest], reference=None) -> int:
             raise TuningError("--plain-table: the switch file needs the calibration and the prior, i.e. per-step "
                               "confidences: start the DSPINE server with DSPINE_RECORD_CONFIDENCE=1 and keep "
                               "--acceptance-requests > 0")
-        from dspine.dynamic.switch import SwitchConfigError, write_switch_file
-
         try:
             write_switch_file(out / SWITCH, round_table=TABLE, plain_table=str(Path(args.plain_table).resolve()),
                               calibration=STS_AFFINE, prior_survival=observed_survival(records),
@@ -596,7 +297,7 @@ def tune(args, url: str, requests: list[TraceRequest], reference=None) -> int:
         files["switch"] = SWITCH
     if reference is not None:
         check = check_calibration(reference, Path(args.check_calibration), records)
-        write_text_atomic(out / CHECK, json.dumps(check, indent=2) + "\n")
+        write_json_atomic(out / CHECK, check)
         files["calibration_check"] = CHECK
         notes.append(f"{args.check_calibration} on this run's {check['rounds']} verify steps: largest gap "
                      f"{check['max_abs_gap_points']:.1f} points, survival ECE {check['ece_raw']:.4f} raw -> "
@@ -607,76 +308,32 @@ def tune(args, url: str, requests: list[TraceRequest], reference=None) -> int:
             files[name.split(".")[0] + "_plot"] = name
     except ImportError:
         notes.append("plots skipped: matplotlib is not installed (pip install matplotlib)")
-    command = serve_command(args.preset, info, out / TABLE, out / STS if calibration is not None else None)
-    write_text_atomic(out / MANIFEST, json.dumps(manifest(args, info, traces, requests, rounds, files, notes,
-                                                          command, verify_tokens), indent=2) + "\n")
+    if "switch" not in files:
+        notes.append(f"no {SWITCH} (pass --plain-table): a DSPINE server reads the SPS table and the calibration only "
+                     f"through a switch file, so the command below serves statically. Measure the plain table with "
+                     f"--verify-tokens 1 against this deployment started with {env.DSPINE_DYNAMIC.name}=<a forced "
+                     'plain switch file: {"force": "plain", "plain_tokens": K}>, then rerun with --plain-table')
+    command = serve_command(args.preset, serve_args, info, out / SWITCH if "switch" in files else None)
+    write_json_atomic(out / MANIFEST, manifest(args, info, traces, requests, rounds, files, notes, command,
+                                               verify_tokens))
     for note in notes:
         print(f"tune-sps: note: {note}", file=sys.stderr)
     print(f"tune-sps: wrote {', '.join(files.values())} and {MANIFEST} in {out}")
-    if "switch" in files:
-        print(f"DSPINE_DYNAMIC={shlex.quote(str((out / SWITCH).resolve()))} ", end="")
     print(command)
     return 0
-
-
-def _concurrencies(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated positive integers, e.g. 1,4,16,64") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated positive integers, e.g. 1,4,16,64")
-    return sorted(set(values))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    server = parser.add_mutually_exclusive_group(required=True)
-    server.add_argument("--url", help="a running OpenAI-compatible DSPINE server, e.g. http://127.0.0.1:30000")
-    server.add_argument("--preset", help="start one with `dspine serve --preset NAME` (other flags after the "
-                                         "options go to sglang) and stop it afterwards")
-    parser.add_argument("--traces", nargs="+", required=True, help="OpenAI-request JSONL / ShareGPT JSON(L) files")
-    parser.add_argument("--out", required=True, help="output directory (resumable)")
-    parser.add_argument("--split", default="tune", choices=["tune", "heldout", "all"],
-                        help="which hash split of the traces to replay (default: tune)")
-    parser.add_argument("--concurrencies", type=_concurrencies, default=list(DEFAULT_CONCURRENCIES),
-                        help="comma-separated concurrency levels (default: 1,4,16,64)")
-    parser.add_argument("--requests-per-level", type=int, default=0, help="default: max(16, 4 x concurrency)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="cap on each request's max_tokens")
-    parser.add_argument("--verify-tokens", type=int, default=None,
-                        help="verify tokens per request per step (default: speculative_num_draft_tokens)")
-    parser.add_argument("--model", default=None, help="model name for requests (default: from /server_info)")
-    parser.add_argument("--acceptance-requests", type=int, default=32,
-                        help="/generate calls for acceptance records (0 = skip calibration)")
-    parser.add_argument("--check-calibration", metavar="FILE", default=None,
-                        help="check a calibration fitted on another split (e.g. the tune run's sts_affine.json) on "
-                             "this run's acceptance records, e.g. with --split heldout: writes calibration_check.json")
-    parser.add_argument("--plain-table", metavar="FILE", default=None,
-                        help="the sps_table.json of a run against this deployment started with DSPINE_SWITCH=plain "
-                             "(and --verify-tokens 1): also write switch.json for DSPINE_DYNAMIC (the per-step "
-                             "draft-or-plain switch)")
-    parser.add_argument("--plain-tokens", type=int, default=1, metavar="K",
-                        help="target tokens per plain step: the DSPINE_PLAIN_TOKENS the --plain-table server ran with "
-                             "(default 1); written into switch.json")
-    parser.add_argument("--gpu", default=None, help="GPU name for the manifest (SGLang's /server_info has none)")
-    parser.add_argument("--level-timeout", type=float, default=600.0, help="seconds per level before stopping")
-    parser.add_argument("--request-timeout", type=float, default=600.0)
-    parser.add_argument("--startup-timeout", type=float, default=1200.0, help="--preset: seconds to wait for it")
-    parser.add_argument("--restart", action="store_true", help="redo every level (ignore recorded rounds)")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace, serve_args: list[str]) -> int:
     try:
         requests = load_traces(args.traces, split=args.split)       # before any server is started
         if args.plain_tokens < 1:
-            raise TuningError(f"--plain-tokens {args.plain_tokens}: a positive integer (the DSPINE_PLAIN_TOKENS of "
-                              "the --plain-table server)")
+            raise TuningError(f"--plain-tokens {args.plain_tokens}: a positive integer (the plain_tokens of the "
+                              "forced plain switch file the --plain-table server ran with)")
         if args.plain_table and not Path(args.plain_table).is_file():
             raise TuningError(f"--plain-table {args.plain_table}: no such file (the sps_table.json of a tune-sps run "
-                              "against this deployment started with DSPINE_SWITCH=plain)")
+                              "against this deployment started with a forced plain switch file)")
         reference = None
         if args.check_calibration:
-            from dspine.dynamic.verification import PositionCalibration
             try:
                 reference = PositionCalibration.load(args.check_calibration)
             except (OSError, ValueError, KeyError, TypeError) as err:
@@ -688,26 +345,7 @@ def run(args: argparse.Namespace, serve_args: list[str]) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         with launched_server(args.preset, serve_args, out / "server.log", args.startup_timeout) as url:
-            return tune(args, url, requests, reference)
-    except (TraceError, TuningError, OSError) as err:
+            return tune(args, url, requests, reference, serve_args)
+    except (TraceError, TuningError, HttpError, OSError) as err:
         print(f"tune-sps: error: {err}", file=sys.stderr)
         return 2
-
-
-def add_command(subparsers) -> None:
-    """`dspine tune-sps` in `dspine.cli` (unknown arguments go to sglang with --preset)."""
-    parser = subparsers.add_parser("tune-sps", help="measure an SPS table (and STS calibration) on your traces",
-                                   description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    add_arguments(parser)
-    parser.set_defaults(func=lambda args: run(args, args.extra), accepts_extra=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tune_sps", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    add_arguments(parser)
-    args, extra = parser.parse_known_args(argv)
-    return run(args, extra)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

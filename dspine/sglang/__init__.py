@@ -1,14 +1,16 @@
-"""The SGLang adapter: the only part of DSpine that imports SGLang (supported: 0.5.17 to 0.5.22).
+"""The SGLang adapter: the only part of DSpine that imports SGLang (tested: 0.5.17 to 0.5.23).
 
-- `plugin.register`: the `sglang.srt.plugins` entry point (algorithm `DSPINE`, draft architecture
-  `DSpineDraftModel`);
-- `algorithm.DSpineSpecAlgo`: SGLang's view of DSPINE (predicates, server-args resolution);
-- `rules`: the flag rules, pure Python, shared with `dspine serve`;
-- `compat`: the version shims between SGLang 0.5.17 and 0.5.22;
-- `worker`, `draft_model`: the DSPINE worker and SGLang draft-model class;
+- `plugin`: `register`, the `sglang.srt.plugins` entry point (algorithm `DSPINE`, draft
+  architecture `DSpineDraftModel`, a warning outside the tested SGLang range);
+- `spec_algo`: `DSpineSpecAlgo`, SGLang's view of DSPINE (predicates, server-args resolution);
+- `dspine_worker_v2`: `DSpineWorkerV2`, the DSPINE worker (a `DFlashWorkerV2`);
+- `draft_model`: `DSpineDraftModel`, the SGLang draft-model class (selection from `dspine.model.selection`);
+- `draft_weights`: config checks and strict weight loading for `DSpineDraftModel`;
+- `compat`: the version shims between the SGLang versions;
 - `plain_step`: the worker's plain decoding step (K target tokens per request, no draft);
 - `step_clock`: decode-step periods per step kind, prefills excluded (the switch's tables);
 - `step_profile`: a diagnostic, where a scheduler's decode step spends host time.
 
-Importing this package imports no SGLang: each module imports it where it is needed.
+The flag rules shared with `dspine serve` live in `dspine.serve.flags` (pure Python). Importing
+this package imports no SGLang: each module imports it where it is needed.
 """

@@ -1,7 +1,7 @@
-"""Version shims between SGLang 0.5.17 (the GPU test host) and 0.5.22 (what users install).
+"""Version shims between the SGLang versions DSpine is tested with (0.5.17 to 0.5.23).
 
 Each shim is one small named function, so the difference it papers over is written down once.
-Supported: 0.5.17 to 0.5.22. See docs/sglang.md for what differs where.
+0.5.23 reads like 0.5.22 wherever a shim names 0.5.22. See docs/sglang.md for what differs where.
 """
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import inspect
-import os
 from typing import Any
 
-from dspine.serve.flags import RAGGED_VERIFY_ENV
+from dspine import env
 
 
 def sglang_version() -> str:
@@ -85,7 +84,7 @@ def ragged_verify_mode() -> str:
     try:
         from sglang.srt.speculative.ragged_verify import read_ragged_verify_mode
     except ImportError:
-        return os.environ.get(RAGGED_VERIFY_ENV, "static")
+        return env.SGLANG_RAGGED_VERIFY_MODE.get()
     return read_ragged_verify_mode().value
 
 

@@ -29,14 +29,13 @@ What DSpine adds, and only here:
   U, which are all-gathered into a full replicated table (candidate ids are global).
 - **Selection**: `candidate_selector` + `compute_candidates` implement SGLang's DFlash selector
   seam (0.5.20+: folded into the draft graph, eager fallback, and sampled verification with the
-  proposal q). The lattice score of candidate c after predecessor a is
-  `unary(c) + lambda * T(a, c)`, T(a, c) = (U[a] W_T) . U[c]; the walk is DSpine's
-  (`kernels.transition_select`: Viterbi for greedy rows, inverse-CDF sampling with q otherwise), so
-  tokens and q equal `dspine.model.transition.select_tokens`. SGLang 0.5.17 has no seam: the worker
-  folds the same functions into the draft graph through its own sampler (`worker.py`).
-- **Strict weights**: `load_weights` maps and loads every tensor of the checkpoint (Qwen3-style
-  names, q/k/v and gate/up stacked) and raises naming every unexpected tensor and every parameter
-  left unloaded (DFlash silently ignores unknown names).
+  proposal q). Candidates, lattice scores and the walk are `dspine.model.selection`'s, the
+  functions the reference drafter's `select_tokens` runs, so tokens and q equal it. SGLang 0.5.17
+  has no seam: the worker folds the same functions into the draft graph through its own sampler
+  (`dspine_worker_v2.py`).
+- **Strict weights**: `load_weights` maps and loads every tensor of the checkpoint
+  (`draft_weights.py`: Qwen3-style names, q/k/v and gate/up stacked) and raises naming every
+  unexpected tensor and every parameter left unloaded.
 - **Confidence**: the confidence head's per-position logits are written, next to the candidates
   (`compute_candidates`, so in the draft graph in every SGLang version), into a static buffer the
   worker allocates with `enable_confidence_record` when `DSPINE_RECORD_CONFIDENCE=1`; the worker
@@ -44,7 +43,7 @@ What DSpine adds, and only here:
 
 `config.json` must mirror `block_size`, `target_layer_ids`, `num_target_layers` and
 `mask_token_id` into a `dflash_config` block: SGLang reads those (also for the target's hidden-state
-capture), never `dspine_config`. A checkpoint without it fails here, before serving.
+capture), never `dspine_config`. A checkpoint without it fails at construction, before serving.
 """
 
 from __future__ import annotations
@@ -54,135 +53,17 @@ from typing import Callable, Iterable, Optional
 
 import torch
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.models.dflash import DFlashDraftModel as _DFlashDraftModel
 from torch import Tensor, nn
 
-from dspine.model.checkpoint import MissingTensorsError, TensorMismatchError, UnexpectedTensorsError, dflash_config_for
-from dspine.model.config import ConfigError, DSpineConfig
-from dspine.kernels import dispatch
-from dspine.kernels.transition_select import transition_path_reference
-from dspine.sglang import compat
+from dspine.model.config import ConfigError
+from dspine.model.selection import candidate_topk, lattice_scores, walk_lattice
 from dspine.model.transfer import AdjacentInjection, TransferSpace
 from dspine.model.transition import TransitionScorer
+from dspine.sglang import compat
+from dspine.sglang.draft_weights import check_dflash_mirror, dspine_config_of, load_strict
 
 logger = logging.getLogger(__name__)
-
-DFLASH_MIRRORED_KEYS = ("block_size", "target_layer_ids", "num_target_layers", "mask_token_id")
-
-# (SGLang parameter, checkpoint projection, shard id): SGLang fuses q/k/v and gate/up.
-STACKED_PARAMS = (
-    ("qkv_proj", "q_proj", "q"),
-    ("qkv_proj", "k_proj", "k"),
-    ("qkv_proj", "v_proj", "v"),
-    ("gate_up_proj", "gate_proj", 0),
-    ("gate_up_proj", "up_proj", 1),
-)
-
-
-# ------------------------------------------------------------------------------- config checks
-def dspine_config_of(hf_config) -> DSpineConfig:
-    """The `dspine_config` block of a draft `config.json` (as SGLang's HF config object)."""
-    data = getattr(hf_config, "dspine_config", None)
-    if not isinstance(data, dict):
-        raise ConfigError("the draft config.json has no `dspine_config` block: "
-                          "--speculative-draft-model-path must point at a DSpine checkpoint (re-save it with dspine)")
-    return DSpineConfig.from_dict(dict(data))
-
-
-def check_dflash_mirror(hf_config, cfg: DSpineConfig) -> None:
-    """Raise unless `dflash_config` mirrors `dspine_config` (SGLang sizes `fc`, picks the target
-    layers to capture and builds the mask block from `dflash_config`, never from `dspine_config`)."""
-    mirror = getattr(hf_config, "dflash_config", None)
-    want = dflash_config_for(cfg)
-    fix = (f"add to config.json: \"dflash_config\": {want} (re-save the checkpoint with a dspine whose "
-           f"checkpoint.hf_config writes it)")
-    if not isinstance(mirror, dict):
-        raise ConfigError(f"the draft config.json has no `dflash_config` block, so SGLang would capture other target "
-                          f"layers and resolve the mask token through the tokenizer. Fix: {fix}")
-    got = {k: mirror.get(k) for k in DFLASH_MIRRORED_KEYS}
-    if got["target_layer_ids"] is not None:
-        got["target_layer_ids"] = [int(i) for i in got["target_layer_ids"]]
-    bad = {k: got[k] for k in DFLASH_MIRRORED_KEYS if got[k] != want[k]}
-    if bad:
-        raise ConfigError(f"dflash_config {bad} differs from dspine_config {({k: want[k] for k in bad})}. Fix: {fix}")
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "head_dim"):
-        top = getattr(hf_config, key, None)
-        if top is not None and int(top) != int(getattr(cfg, key)):
-            raise ConfigError(f"config.json {key} = {top} but dspine_config.{key} = {getattr(cfg, key)}: "
-                              f"the checkpoint's two config blocks disagree; re-save it with dspine")
-
-
-# ----------------------------------------------------------------------------- weight mapping
-def map_weight_name(name: str) -> tuple[str, Optional[object]]:
-    """Checkpoint tensor name -> (SGLang parameter name, shard id or None).
-
-    `layers.0.self_attn.k_proj.weight` -> (`layers.0.self_attn.qkv_proj.weight`, "k");
-    `layers.0.mlp.up_proj.weight` -> (`layers.0.mlp.gate_up_proj.weight`, 1); everything else
-    keeps its name (a leading `model.` is dropped)."""
-    name = name[len("model."):] if name.startswith("model.") else name
-    for param, weight, shard in STACKED_PARAMS:
-        if f".{weight}." in name:
-            return name.replace(f".{weight}.", f".{param}."), shard
-    return name, None
-
-
-def expected_shards(param_name: str) -> tuple:
-    """The shard ids that together fill one SGLang parameter."""
-    shards = tuple(s for p, _, s in STACKED_PARAMS if f".{p}." in f".{param_name}")
-    return shards or (None,)
-
-
-def checkpoint_names_of(param_name: str, shard) -> str:
-    """The checkpoint tensor name that fills (param, shard): the inverse of `map_weight_name`."""
-    for param, weight, s in STACKED_PARAMS:
-        if s == shard and f".{param}." in param_name:
-            return param_name.replace(f".{param}.", f".{weight}.")
-    return param_name
-
-
-def check_weight_coverage(parameter_names: Iterable[str], loaded: Iterable[tuple[str, object]],
-                          unexpected: Iterable[str], where: str = "") -> None:
-    """Strict coverage: raise `UnexpectedTensorsError` naming every checkpoint tensor no parameter
-    takes, then `MissingTensorsError` naming the checkpoint tensor of every (parameter, shard) that
-    was never loaded. `loaded` holds (parameter name, shard id) pairs."""
-    where = f"{where}: " if where else ""
-    unexpected = sorted(set(unexpected))
-    if unexpected:
-        raise UnexpectedTensorsError(
-            f"{where}the DSpine draft checkpoint has tensors this model does not take: {unexpected}. The weights "
-            f"belong to a different drafter layout than its dspine_config describes (e.g. injection or "
-            f"confidence_head switched); fix the config or re-save the checkpoint")
-    done = set(loaded)
-    missing = sorted(checkpoint_names_of(p, s) for p in parameter_names for s in expected_shards(p)
-                     if (p, s) not in done)
-    if missing:
-        raise MissingTensorsError(
-            f"{where}the DSpine draft checkpoint lacks tensors: {missing}. The checkpoint does not match its own "
-            f"dspine_config (or is truncated): fix the config or re-save the checkpoint")
-
-
-def full_tensor_fits(tensor_shape, param_shape, tp_size: int) -> bool:
-    """Whether a checkpoint tensor (always the full, unsharded weight) fits a parameter: same shape,
-    or, under TP, the parameter holds 1/tp_size of it along exactly one dimension (a row- or
-    column-parallel layer, whose own `weight_loader` then narrows to its rank's slice)."""
-    tensor_shape, param_shape = tuple(tensor_shape), tuple(param_shape)
-    if tensor_shape == param_shape:
-        return True
-    if tp_size <= 1 or len(tensor_shape) != len(param_shape):
-        return False
-    differing = [(t, p) for t, p in zip(tensor_shape, param_shape) if t != p]
-    return len(differing) == 1 and differing[0][0] == differing[0][1] * tp_size
-
-
-def _loading_tp_size() -> int:
-    """The TP degree the draft model's parallel layers were built for; 1 where no TP group exists
-    (a model built outside an SGLang worker, e.g. in the CPU tests)."""
-    try:
-        return int(compat.tp_group().world_size)
-    except (ImportError, AttributeError, AssertionError, ValueError):
-        return 1
 
 
 # ------------------------------------------------------------------------------ pure helpers
@@ -225,44 +106,14 @@ def global_topk(hidden: Tensor, head_weight: Tensor, k: int, *, num_org: int, or
     """Top-k draft candidates through the target head: hidden [M, H] -> (global ids [M, k] int64,
     logits [M, k] fp32). TP: local top-k per vocab shard, all-gather k values/ids per rank (not the
     vocabulary), then a global top-k: the same candidates as a full-vocabulary top-k. The local top-k
-    is `kernels.logits_topk` on the Triton path (one launch, exact ties to the lower id)."""
-    logits = hidden.to(head_weight.dtype) @ head_weight[:num_org].T
-    if dispatch.use_triton(logits):
-        from dspine.kernels.logits_topk import logits_topk
-        vals, ids = logits_topk(logits, k)  # fp32 values, sorted descending
-    else:
-        vals, ids = logits.topk(k, dim=-1)  # in the head's dtype: no fp32 copy of [M, V]
-        vals = vals.float()
+    is `selection.candidate_topk`, the reference drafter's."""
+    vals, ids = candidate_topk(hidden.to(head_weight.dtype) @ head_weight[:num_org].T, k)
     ids = ids + org_start
     if tp_size == 1:
         return ids, vals
     all_vals, all_ids = all_gather(vals.contiguous(), -1), all_gather(ids.contiguous(), -1)  # [M, tp*k]
     vals, pick = all_vals.topk(k, dim=-1)
     return all_ids.gather(-1, pick), vals
-
-
-def lattice_scores(scorer: TransitionScorer, table: Tensor, candidate_ids: Tensor, unary: Tensor,
-                   anchor_ids: Tensor, lam: float) -> Tensor:
-    """score[b, i, a, c] = unary[b, i, c] + lam * T(pred_a, cand_c), pred of slot 0 = the anchor.
-
-    candidate_ids/unary: [bs, n, K]; anchor_ids: [bs] -> [bs, n, K, K] fp32 (SGLang's
-    `build_lattice` contract; the same numbers `dspine.model.transition.select_tokens` walks)."""
-    bs, _, k = candidate_ids.shape
-    prev = torch.cat([anchor_ids[:, None, None].expand(bs, 1, k), candidate_ids[:, :-1]], dim=1)
-    pair = scorer.pair(table, prev, candidate_ids).float()
-    return unary.float()[:, :, None, :] + lam * pair
-
-
-def walk_lattice(candidate_ids: Tensor, scores: Tensor, temperature: Tensor, uniforms: Tensor) -> tuple[Tensor, Tensor]:
-    """DSpine's lattice walk over combined scores: Viterbi where temperature <= 0, inverse-CDF
-    sampling with proposal q elsewhere. Returns (tokens [bs, n] int64, q [bs, n, K] fp32)."""
-    zeros = torch.zeros_like(scores[..., 0, :])  # the unary part is already inside `scores`
-    if dispatch.use_triton(scores):
-        from dspine.kernels.transition_select import transition_path
-        choice, q = transition_path(zeros, scores, 1.0, temperature.float(), uniforms.float())
-    else:
-        choice, q = transition_path_reference(zeros, scores, 1.0, temperature.float(), uniforms.float())
-    return candidate_ids.gather(-1, choice[..., None]).squeeze(-1), q
 
 
 def _capturing() -> bool:
@@ -528,41 +379,11 @@ class DSpineDraftModel(_DFlashDraftModel):
 
     # ------------------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
-        """Load every checkpoint tensor, strictly (names in `map_weight_name`).
-
-        The first call must fill every parameter (and every q/k/v, gate/up shard); any call rejects
-        tensors no parameter takes. Later calls (weight updates) may carry a subset. Raises
-        `UnexpectedTensorsError` / `MissingTensorsError` / `TensorMismatchError` naming the tensors."""
-        params = dict(self.named_parameters())
-        for name in [n for n in params if n.startswith("lm_head.")]:
-            params.pop(name)  # the target's head, attached by reference on 0.5.22
-        loaded: set[tuple[str, object]] = set()
-        unexpected: list[str] = []
-        where = str(getattr(self.config, "_name_or_path", "") or "")
-        tp_size = _loading_tp_size()
-        for name, tensor in weights:
-            param_name, shard = map_weight_name(name)
-            param = params.get(param_name)
-            if param is None or shard not in expected_shards(param_name):
-                unexpected.append(name)
-                continue
-            if (param_name, shard) in loaded:
-                raise UnexpectedTensorsError(f"{where}: tensor {name} appears twice in the DSpine draft checkpoint")
-            if shard is None and not full_tensor_fits(tensor.shape, param.shape, tp_size):
-                raise TensorMismatchError(f"{where}: tensor {name} has shape {tuple(tensor.shape)}, the model expects "
-                                          f"{tuple(param.shape)}{f' per TP rank of {tp_size}' if tp_size > 1 else ''} "
-                                          f"(dspine_config does not match the weights)")
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                loader(param, tensor) if shard is None else loader(param, tensor, shard)
-            except (AssertionError, RuntimeError, ValueError) as e:
-                raise TensorMismatchError(f"{where}: tensor {name} does not fit {param_name}: {e}") from e
-            loaded.add((param_name, shard))
-        check_weight_coverage(params if not self._weights_loaded else [], loaded, unexpected, where)
+        """Strict loading (`draft_weights.load_strict`): the first call must fill every parameter."""
+        loaded = load_strict(self, weights, first_load=not self._weights_loaded)
         self.__dict__["_weights_loaded"] = True
         if self._table is not None:
             self.invalidate_transfer_table()  # P may have changed
-        return {p for p, _ in loaded}
-
+        return loaded
 
 EntryClass = [DSpineDraftModel]

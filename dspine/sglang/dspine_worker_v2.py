@@ -35,8 +35,8 @@ injection); this worker only overrides the smallest seams around it:
   target's AR decode graphs and sampler, K = the switch file's `plain_tokens`, the drafter's KV still
   appended). The drafter's confidence logits of each drafted step are copied to the host on the
   step's stream and handed to the switch once an event says they landed (no sync), updating each
-  request's expected acceptance. `DSPINE_SWITCH=plain|draft` forces one kind of step (plain,
-  `DSPINE_PLAIN_TOKENS` tokens per step: to measure the plain-step table). Not with
+  request's expected acceptance. A forced switch file (`{"force": "plain", "plain_tokens": K}` or
+  `{"force": "draft"}`) makes every step one kind (K-token plain steps: to measure the plain-step table). Not with
   grammar-constrained batches (they draft) nor hybrid ReplaySSM targets (refused at start).
 - Step clock (`dspine.sglang.step_clock`; with `SGLANG_RECORD_STEP_TIME=1`): the host time of each
   call, so the period of consecutive decode steps is booked per kind (draft, plain) and batch size,
@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import time
 from typing import Optional
 
@@ -61,22 +60,18 @@ import torch
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from torch import Tensor
 
+from dspine import env
 from dspine.model.checkpoint import check_target_compatible
+from dspine import env
 from dspine.dynamic.switch import ServingSwitch, SwitchConfig
 from dspine.sglang import compat, step_clock
 from dspine.sglang.draft_model import DSpineDraftModel
 from dspine.sglang.plain_step import PlainStep, tag_verify_tokens
-from dspine.serve.flags import (
-    SWITCH_FILE_ENV,
-    FlagError,
-    check_switch_target,
-    resolve_plain_tokens,
-    resolve_step_switch,
-)
+from dspine.serve.flags import FlagError, check_switch_target, resolve_step_switch
 
 logger = logging.getLogger(__name__)
 
-RECORD_CONFIDENCE_ENV = "DSPINE_RECORD_CONFIDENCE"
+RECORD_CONFIDENCE_ENV = env.DSPINE_RECORD_CONFIDENCE.name
 MAX_PENDING_CONFIDENCE = 4    # drafted steps whose confidence copies may be in flight at once
 SWITCH_LOG_EVERY = 5000       # decode steps between the switch's summary lines
 
@@ -113,6 +108,22 @@ class _HostRow:
         return self.rows.host[self.i].tolist()
 
 
+def confidence_to_host(draft_model: DSpineDraftModel, blocks: int,
+                       *extra: Tensor) -> Optional[tuple[list[Tensor], Optional["torch.cuda.Event"]]]:
+    """The drafter's last recorded confidence logits [blocks, N-1], then `extra`, copied to the host
+    on the current stream without a host sync; the event (None for CPU tensors) completes when the
+    copies have landed. None when nothing is recorded (recording off, or more blocks than the buffer)."""
+    confidence = draft_model.recorded_confidence(blocks)
+    if confidence is None:
+        return None
+    hosts = [t.to("cpu", non_blocking=True) for t in (confidence, *extra)]
+    done = None
+    if confidence.is_cuda:
+        done = torch.cuda.Event()
+        done.record()
+    return hosts, done
+
+
 def attach_confidence_record(result, draft_model: DSpineDraftModel) -> bool:
     """Put the step's confidence logits [bs, N-1] and accepted-draft counts [bs] (SGLang's
     `accept_lens` are commit lengths: accepted + 1) into `result.logits_output.customized_info`.
@@ -121,15 +132,10 @@ def attach_confidence_record(result, draft_model: DSpineDraftModel) -> bool:
     logits_output = getattr(result, "logits_output", None)
     if commit is None or logits_output is None or commit.numel() == 0:
         return False
-    confidence = draft_model.recorded_confidence(int(commit.shape[0]))
-    if confidence is None:
+    copied = confidence_to_host(draft_model, int(commit.shape[0]), commit.to(torch.int64) - 1)
+    if copied is None:
         return False
-    host_confidence = confidence.to("cpu", non_blocking=True)
-    host_accepted = (commit.to(torch.int64) - 1).to("cpu", non_blocking=True)
-    done = None
-    if confidence.is_cuda:
-        done = torch.cuda.Event()
-        done.record()
+    (host_confidence, host_accepted), done = copied
     info = dict(getattr(logits_output, "customized_info", None) or {})
     info.update(dspine_confidence_logits=HostRows(host_confidence, done),
                 dspine_accept_lens=HostRows(host_accepted, done))
@@ -184,13 +190,13 @@ class DSpineWorkerV2(DFlashWorkerV2):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._step_policy, switch_file = resolve_step_switch(os.environ)
-        self._plain_tokens = resolve_plain_tokens(os.environ)
-        if switch_file is not None:
-            self._switch = ServingSwitch(SwitchConfig.load(switch_file), int(self.block_size))
-            self._plain_tokens = self._switch.config.plain_tokens
+        switch = resolve_step_switch()
+        self._step_policy = "static" if switch is None else switch.policy
+        self._plain_tokens = None if switch is None else switch.plain_tokens
+        if isinstance(switch, SwitchConfig):
+            self._switch = ServingSwitch(switch, int(self.block_size))
         self._pending_confidence = collections.deque()   # (rids, host logits [bs, N-1], event) per drafted step
-        self._record_steps = step_clock.recording(os.environ)
+        self._record_steps = step_clock.recording()
         self._attach_target_to_draft()
 
     def _attach_target_to_draft(self) -> None:
@@ -200,22 +206,23 @@ class DSpineWorkerV2(DFlashWorkerV2):
                             f"[\"DSpineDraftModel\"]), got {type(model).__name__}")
         hf_config = self.target_worker.model_runner.model_config.hf_config
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        check_target_compatible(model.dspine_config, text_config)  # vocab, hidden, layers, ids, mask id
+        check_target_compatible(model.dspine_config, text_config,  # vocab, hidden, layers, ids, mask id, fingerprint
+                                saved_target=getattr(model.config, "dspine_target", None))
         target = self.target_worker.model_runner.model
         head = compat.unwrap_lora_layer(getattr(target, "lm_head", None))
         if head is None or not hasattr(head, "weight"):
             raise RuntimeError("DSPINE needs the target model to expose `lm_head` with a dense `weight`")
         model.attach_target_head(head, tp_group=compat.tp_group())
         self._dspine_record_confidence = False
-        wants_record = os.environ.get(RECORD_CONFIDENCE_ENV, "0") not in ("", "0")
+        wants_record = env.DSPINE_RECORD_CONFIDENCE.get()
         if wants_record or self._switch is not None:
             requests = compat.server_args_value(self.server_args, "max_running_requests") or 0
             rows = max(int(requests), compat.decode_graph_max_bs(), 1) * (int(model.block_size) - 1)
             recording = model.enable_confidence_record(rows, head.weight.device)
             if self._switch is not None and not recording:
-                raise FlagError(f"{SWITCH_FILE_ENV} needs a drafter with a confidence head and transition selection "
+                raise FlagError(f"{env.DSPINE_DYNAMIC.name} needs a drafter with a confidence head and transition selection "
                                 "(its confidence drives the switch); this one has none (the argmax ablation?). "
-                                f"Fix: unset {SWITCH_FILE_ENV} or serve a DSpine drafter")
+                                f"Fix: unset {env.DSPINE_DYNAMIC.name} or serve a DSpine drafter")
             self._dspine_record_confidence = recording and wants_record
             if wants_record and not recording:
                 logger.warning("DSPINE: %s=1 but this drafter has no confidence head or no transition selection "
@@ -235,8 +242,8 @@ class DSpineWorkerV2(DFlashWorkerV2):
             check_switch_target(self._step_policy, self._need_mamba_verify_commit)
             self._plain_step = PlainStep(self, self._plain_tokens)
             logger.info("DSPINE speculation switch: %s; %d target tokens per plain step.",
-                        "per-step decisions from " + os.environ[SWITCH_FILE_ENV]
-                        if self._switch is not None else "every decode step plain (DSPINE_SWITCH=plain)",
+                        "per-step decisions from " + str(env.DSPINE_DYNAMIC.get())
+                        if self._switch is not None else "every decode step plain (a forced plain switch file)",
                         self._plain_tokens)
 
     def _drafts_this_step(self, batch) -> bool:
@@ -244,7 +251,7 @@ class DSpineWorkerV2(DFlashWorkerV2):
         if self._plain_step is None or getattr(batch, "has_grammar", False) or _has_penalties(batch):
             return True
         if self._switch is None:
-            return False                                  # DSPINE_SWITCH=plain
+            return False                                  # a forced plain switch file
         self._observe_pending_confidence()
         drafts = self._switch.decide([req.rid for req in batch.reqs])
         if (self._switch.drafted + self._switch.plain) % SWITCH_LOG_EVERY == 0:
@@ -267,14 +274,10 @@ class DSpineWorkerV2(DFlashWorkerV2):
         rids = [req.rid for req in batch.reqs]
         if getattr(result, "logits_output", None) is not None:
             tag_verify_tokens(result.logits_output, len(rids), int(self.block_size))
-        confidence = self.draft_model.recorded_confidence(len(rids))
-        if confidence is None or not rids:
+        copied = confidence_to_host(self.draft_model, len(rids)) if rids else None
+        if copied is None:
             return
-        host = confidence.to("cpu", non_blocking=True)
-        done = None
-        if confidence.is_cuda:
-            done = torch.cuda.Event()
-            done.record()
+        (host,), done = copied
         if len(self._pending_confidence) >= MAX_PENDING_CONFIDENCE:
             self._pending_confidence.popleft()
         self._pending_confidence.append((rids, host, done))

@@ -18,6 +18,9 @@ detokenizer). It registers:
 - with `SGLANG_RECORD_STEP_TIME=1` only: the DSPINE worker's decode-step clock in `/server_info`
   (`dspine.sglang.step_clock`).
 
+An SGLang outside the tested range (`TESTED_SGLANG`, release numbers: post-releases count as their
+release) gets one warning naming both, then registration proceeds.
+
 SGLang logs and swallows exceptions from plugins, after which the only symptom is a later
 `Unknown speculative algorithm name: DSPINE`. So a failure here is logged at ERROR with the
 reason and a hint, and re-raised.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import logging
+import re
 import sys
 from typing import Callable
 
@@ -37,7 +41,7 @@ from dspine.serve.flags import ALGORITHM
 logger = logging.getLogger(__name__)
 
 DRAFT_ARCHITECTURE = "DSpineDraftModel"
-SUPPORTED_SGLANG = ("0.5.17", "0.5.22")
+TESTED_SGLANG = ("0.5.17", "0.5.23")   # first and last SGLang release the tests cover
 _REGISTRY_MODULE = "sglang.srt.models.registry"
 _SPEC_HOOK_LOGGER = "sglang.srt.arg_groups.speculative_hook"
 
@@ -45,6 +49,7 @@ _SPEC_HOOK_LOGGER = "sglang.srt.arg_groups.speculative_hook"
 def register() -> None:
     """Register DSPINE with SGLang. Idempotent: a second call (or a second `load_plugins`) is a no-op."""
     try:
+        warn_if_untested_sglang()
         _register_algorithm()
         _register_draft_architecture()
         _hide_misleading_window_warning()
@@ -64,9 +69,34 @@ def _hint() -> str:
         version = sglang_version()
     except Exception:
         version = "not installed"
-    return (f"DSpine supports sglang {SUPPORTED_SGLANG[0]} to {SUPPORTED_SGLANG[-1]} (found: {version}); "
+    return (f"DSpine is tested with sglang {TESTED_SGLANG[0]} to {TESTED_SGLANG[-1]} (found: {version}); "
             "run `python -c 'from dspine.sglang.plugin import register; register()'` for the full traceback, "
             "and `pip install --no-deps -e .` in the dspine checkout if the entry point is stale.")
+
+
+def release_tuple(version: str) -> tuple[int, int, int] | None:
+    """`0.5.23.post1` -> (0, 5, 23); None for a version string without three release numbers."""
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    return tuple(int(x) for x in match.groups()) if match else None
+
+
+_warned_versions: set[str] = set()
+
+
+def warn_if_untested_sglang(version: str | None = None) -> bool:
+    """Log one warning per process and version when SGLang `version` (default: the installed one)
+    lies outside `TESTED_SGLANG`. Returns True when it lies inside."""
+    if version is None:
+        from dspine.sglang.compat import sglang_version
+        version = sglang_version()
+    release = release_tuple(version)
+    inside = release is not None and release_tuple(TESTED_SGLANG[0]) <= release <= release_tuple(TESTED_SGLANG[-1])
+    if not inside and version not in _warned_versions:
+        _warned_versions.add(version)
+        logger.warning("DSpine: sglang %s is outside the tested range %s to %s; DSPINE may fail or misbehave. "
+                       "Fix: install an SGLang in that range (`pip install 'dspine[sglang]'` pins one).",
+                       version, TESTED_SGLANG[0], TESTED_SGLANG[-1])
+    return inside
 
 
 def _register_algorithm() -> None:

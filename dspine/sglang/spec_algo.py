@@ -11,12 +11,15 @@ DSPARK-only branch runs on our worker.
 
 Server args: `handle_server_args` is `_handle_dflash` for DSPINE, written to only *assign* fields
 (0.5.17 passes the real ServerArgs; >= 0.5.20 passes a stand-in that turns assignments into
-declarations), plus the checks SGLang skips for non-DFLASH names. Imported only by
+declarations), plus the checks SGLang skips for non-DFLASH names. An unset
+`--speculative-draft-window-size` takes the checkpoint's trained window (`dspine_config.sliding_window`),
+so the draft sees the context it was trained with. Imported only by
 `dspine.sglang.plugin.register()`, inside an SGLang process.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -38,44 +41,31 @@ from dspine.serve.flags import (
 )
 
 logger = logging.getLogger(__name__)
+_windows_logged: set[str] = set()   # draft paths whose window was taken from the checkpoint (logged once)
+
+
+def _answers(value: bool):
+    """A capability predicate that always returns `value`."""
+
+    def predicate(self) -> bool:
+        return value
+
+    return predicate
 
 
 class DSpineSpecAlgo(CustomSpecAlgo):
     """DSPINE's `spec_class` (see SGLANG.md §2 for what each predicate switches on in SGLang)."""
 
-    # --- identity: DSPINE is none of the built-ins -------------------------------------------
-    def is_dflash(self) -> bool:
-        return False
-
-    def is_dspark(self) -> bool:
-        return False
-
-    def is_eagle(self) -> bool:
-        return False
-
-    # --- capabilities: those of the DFlash family --------------------------------------------
-    def is_dflash_family(self) -> bool:
-        # Target aux-hidden capture, draft KV budgeting, DFlash decode prep and graph capture.
-        return True
-
-    def supports_target_verify_for_draft(self) -> bool:
-        # The draft runner captures and runs its graphs in TARGET_VERIFY mode.
-        return True
-
-    def supports_mixed_chunk(self) -> bool:  # 0.5.20+ asks; 0.5.17 never does
-        return True
-
-    def supports_grammar_overlap(self) -> bool:  # 0.5.18+: the DFlash worker threads the barrier
-        return True
-
-    def supports_prefill_shared_read_done(self) -> bool:  # 0.5.22; only with the WAR read-done env
-        return False  # conservative: the draft model's shared-buffer reads are not audited yet
-
-    def supports_ragged_verify(self) -> bool:
-        return False  # static verify only (compact ragged verify is a later step)
-
-    def has_draft_kv(self) -> bool:
-        return True
+    # Identity: DSPINE is none of the built-ins, so no DFLASH-only or DSPARK-only branch runs.
+    is_dflash = is_dspark = is_eagle = _answers(False)
+    # Capabilities of the DFlash family: target aux-hidden capture, draft KV budgeting, DFlash
+    # decode prep and graph capture; the draft runner captures its graphs in TARGET_VERIFY mode.
+    is_dflash_family = supports_target_verify_for_draft = has_draft_kv = _answers(True)
+    supports_mixed_chunk = _answers(True)         # 0.5.20+ asks; 0.5.17 never does
+    supports_grammar_overlap = _answers(True)     # 0.5.18+: the DFlash worker threads the barrier
+    # 0.5.22, only with the WAR read-done env: the draft model's shared-buffer reads are not audited.
+    supports_prefill_shared_read_done = _answers(False)
+    supports_ragged_verify = _answers(False)      # static verify only
 
     # --- the three methods CustomSpecAlgo lacks ----------------------------------------------
     def carries_draft_hidden_states(self) -> bool:
@@ -116,11 +106,17 @@ def resolve_server_args(sa: Any) -> None:
     check_parallelism(get("pp_size", 1), compat.dp_attention_enabled(sa))
     check_single_chain(get("speculative_num_steps"), get("speculative_eagle_topk"))
 
-    block, source = _draft_block_size(get, draft_path)
+    block, source, trained_window = _draft_block_and_window(get, draft_path)
     num_draft_tokens = resolve_num_draft_tokens(
         get("speculative_num_draft_tokens"), get("speculative_dflash_block_size"), block, source)
 
     window = get("speculative_draft_window_size")
+    if window is None and trained_window is not None:
+        window = sa.speculative_draft_window_size = trained_window
+        if draft_path not in _windows_logged:
+            _windows_logged.add(draft_path)
+            logger.info("DSPINE: --speculative-draft-window-size %d from the draft checkpoint (the context window "
+                        "it was trained with).", window)
     check_draft_window(window, num_draft_tokens)
     replayssm_on, replayssm_flag = compat.replayssm_spec_flag(sa)
     check_replayssm(replayssm_on, get("linear_replayssm_cache_len"), num_draft_tokens,
@@ -141,12 +137,15 @@ def resolve_server_args(sa: Any) -> None:
                 f", draft window {window} tokens" if window is not None else "")
 
 
-def _draft_block_size(get, draft_path: str) -> tuple[int | None, str]:
-    """The checkpoint's block size: from a local `config.json`, else through SGLang's own config
-    loader for hub ids (as `_handle_dflash` does); unknown -> (None, reason), default 16 later."""
+def _draft_block_and_window(get, draft_path: str) -> tuple[int | None, str, int | None]:
+    """The checkpoint's block size (with where it was read) and trained context window: from a
+    local `config.json`, else through SGLang's own config loader for hub ids (as `_handle_dflash`
+    does). Unknown block -> (None, reason), default 16 later; unknown window -> None (unset)."""
     block, source = read_draft_block_size(draft_path)
-    if block is not None or Path(draft_path).exists():
-        return block, source
+    config_file = Path(draft_path) / "config.json"
+    if Path(draft_path).exists():
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        return block, source, trained_window(config.get("dspine_config"), config)
     try:
         from sglang.srt.utils.hf_transformers_utils import get_config
 
@@ -155,9 +154,20 @@ def _draft_block_size(get, draft_path: str) -> tuple[int | None, str]:
     except Exception as e:  # same policy as DFLASH: warn, fall back to the default
         logger.warning("DSPINE: could not read the draft config of %s (%s); assuming block size 16.",
                        draft_path, e)
-        return None, f"default (draft config unreadable: {e})"
+        return None, f"default (draft config unreadable: {e})", None
+    window = trained_window(getattr(config, "dspine_config", None), config.to_dict())
     for where in ("dspine_config", "dflash_config"):
         value = (getattr(config, where, None) or {}).get("block_size")
         if value is not None:
-            return int(value), f"{draft_path} {where}.block_size"
-    return None, f"{draft_path} has no dspine_config.block_size"
+            return int(value), f"{draft_path} {where}.block_size", window
+    return None, f"{draft_path} has no dspine_config.block_size", window
+
+
+def trained_window(dspine_config: dict | None, config: dict) -> int | None:
+    """The context window a drafter was trained with: `dspine_config.sliding_window`, else the
+    top-level `sliding_window` where `layer_types` or `use_sliding_window` says it applies."""
+    window = (dspine_config or {}).get("sliding_window")
+    if window is None and ("sliding_attention" in (config.get("layer_types") or ())
+                           or config.get("use_sliding_window")):
+        window = config.get("sliding_window")
+    return int(window) if window is not None else None

@@ -4,7 +4,7 @@ SGLang's `SGLANG_RECORD_STEP_TIME=1` records, per batch size, the wall time betw
 lines divided by the decode steps between them, so the prefills that ran in between count as
 decode time. A K-token plain step has K times fewer decode steps per request than AR, and a
 drafting step about τ times fewer, so those tables are inflated by different amounts and the
-switch compares them wrongly (`benchmarks/results/dynamic_h200.json`, 2026-12-01).
+switch compares them wrongly.
 
 With `SGLANG_RECORD_STEP_TIME=1` in the server's environment, the worker stamps the host time at
 the start of every `forward_batch_generation` call. The interval between two consecutive calls is
@@ -17,10 +17,11 @@ SGLang's `/server_info` (`internal_states[*].dspine_step_time_dict`:
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 
-RECORD_ENV = "SGLANG_RECORD_STEP_TIME"
-STATE_KEY = "dspine_step_time_dict"
+from dspine import env
+from dspine.serve.flags import STEP_TIME_STATE_KEY as STATE_KEY
+
 KINDS = ("draft", "plain")
 
 
@@ -50,8 +51,9 @@ class DecodeStepClock:
 CLOCK = DecodeStepClock()   # one per scheduler process: the worker ticks it, /server_info reads it
 
 
-def recording(environ=os.environ) -> bool:
-    return environ.get(RECORD_ENV, "").strip().lower() not in ("", "0", "false", "no")
+def recording(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether `SGLANG_RECORD_STEP_TIME` is on (in `environ`, default the process environment)."""
+    return env.SGLANG_RECORD_STEP_TIME.get(environ)
 
 
 def install_server_info(scheduler_cls, clock: DecodeStepClock = CLOCK) -> None:
@@ -68,7 +70,7 @@ def install_server_info(scheduler_cls, clock: DecodeStepClock = CLOCK) -> None:
     scheduler_cls.get_internal_state = get_internal_state
 
 
-def install_from_environment(environ=os.environ) -> bool:
+def install_from_environment(environ: Mapping[str, str] | None = None) -> bool:
     """The plugin's hook: with SGLANG_RECORD_STEP_TIME set, expose the clock in /server_info."""
     if not recording(environ):
         return False

@@ -18,9 +18,7 @@ the host methods' sum means the step is host-bound. The driver sends the load fo
     python -m dspine.sglang.step_profile http://127.0.0.1:30000 /tmp/prof --requests heldout.jsonl \\
         --concurrency 1,16
 
-Measured with its first version, a host-only plugin with the same windows and timers (H200,
-SmolLM2-135M, SGLang 0.5.17, 2026-12-01): 1.25 ms per AR decode step at one request, 0.82 ms of it
-in `run_batch`; `benchmarks/results/step_profile_h200.json`.
+Recorded profiles live in `benchmarks/results/` (see its README for how each was obtained).
 """
 
 from __future__ import annotations
@@ -34,11 +32,15 @@ import pstats
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
-PROFILE_DIR_ENV = "DSPINE_STEP_PROFILE"
-WINDOWS_ENV = "DSPINE_STEP_PROFILE_WINDOWS"
-PHASES_ENV = "DSPINE_STEP_PROFILE_PHASES"
+from dspine import env
+from dspine.utils.atomic import write_json_atomic, write_text_atomic
+from dspine.utils.http import HttpClient, HttpError
+
+PROFILE_DIR_ENV = env.DSPINE_STEP_PROFILE.name
+WINDOWS_ENV = env.DSPINE_STEP_PROFILE_WINDOWS.name
 TIMED_METHODS = ("process_input_requests", "get_next_batch_to_run", "run_batch", "process_batch_result",
                  "launch_batch_sample_if_needed")
 
@@ -102,10 +104,8 @@ class StepProfile:
         stats.sort_stats("tottime").print_stats(60)
         stats.sort_stats("cumulative").print_stats(120)
         stats.dump_stats(str(base) + ".prof")
-        Path(str(base) + ".txt").write_text(text.getvalue())
-        tmp = Path(str(base) + ".json.tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        tmp.replace(str(base) + ".json")        # the driver waits for the .json: written last, whole
+        write_text_atomic(str(base) + ".txt", text.getvalue())
+        write_json_atomic(str(base) + ".json", record, indent=1)  # the driver waits for the .json: written last, whole
 
 
 def install(scheduler_cls, profile: StepProfile) -> None:
@@ -136,26 +136,23 @@ def install(scheduler_cls, profile: StepProfile) -> None:
     scheduler_cls.run_batch = counting_run_batch
 
 
-def install_from_environment(environ=os.environ) -> bool:
+def install_from_environment(environ: Mapping[str, str] | None = None) -> bool:
     """The plugin's hook: wrap SGLang's Scheduler when DSPINE_STEP_PROFILE is set (False otherwise)."""
-    out_dir = environ.get(PROFILE_DIR_ENV)
-    if not out_dir:
+    out_dir = env.DSPINE_STEP_PROFILE.get(environ)
+    if out_dir is None:
         return False
-    windows = tuple(int(x) for x in environ.get(WINDOWS_ENV, "300,1300,2300").split(","))
-    if len(windows) != 3:
-        raise ValueError(f"{WINDOWS_ENV}={environ[WINDOWS_ENV]!r}: three step counts W0,W1,W2")
+    windows = env.DSPINE_STEP_PROFILE_WINDOWS.get(environ)
     from sglang.srt.managers.scheduler import Scheduler
 
     if not getattr(Scheduler, "_dspine_step_profile", False):
-        install(Scheduler, StepProfile(out_dir, windows, int(environ.get(PHASES_ENV, "2"))))
+        install(Scheduler, StepProfile(out_dir, windows, env.DSPINE_STEP_PROFILE_PHASES.get(environ)))
         Scheduler._dspine_step_profile = True
     return True
 
 
 def drive(url: str, out_dir: Path, bodies: list[dict], concurrency: int, want_files: int, timeout_s: float) -> dict:
     """Send `bodies` (cycled) at `concurrency` until `out_dir` holds `want_files` phase records."""
-    import urllib.request
-
+    client = HttpClient(url, timeout=timeout_s, retries=0)  # a failed request is counted, not repeated
     stop, lock = threading.Event(), threading.Lock()
     state = {"next": 0, "tokens": 0, "failures": 0}
 
@@ -167,14 +164,11 @@ def drive(url: str, out_dir: Path, bodies: list[dict], concurrency: int, want_fi
             with lock:
                 body = bodies[state["next"] % len(bodies)]
                 state["next"] += 1
-            request = urllib.request.Request(f"{url.rstrip('/')}/v1/chat/completions", json.dumps(body).encode(),
-                                             {"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-                    tokens = json.load(reply)["usage"]["completion_tokens"]
+                tokens = client.post("/v1/chat/completions", body)["usage"]["completion_tokens"]
                 with lock:
                     state["tokens"] += tokens
-            except (OSError, ValueError, KeyError):
+            except (HttpError, ValueError, KeyError, TypeError):
                 with lock:
                     state["failures"] += 1
             if phase_done():

@@ -1,17 +1,36 @@
-"""`dspine gen-data`, `dspine train` and `dspine bench-accept` subcommands."""
+"""`dspine gen-data`, `dspine train` and `dspine bench-accept` subcommands.
+
+Only argparse and pure-Python modules are imported here (so `dspine --help` stays light); each
+command's run function imports torch and the code it drives.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+
+from dspine.data.eval_sets import EVAL_SETS
+
+
+def add_prompt_folder_arguments(p) -> None:
+    """`--data-dir` and `--prompts-dir`: where the evaluation files and prompt exports are."""
+    p.add_argument("--data-dir", default=None, metavar="FOLDER",
+                   help="folder of other copies of the evaluation files gsm8k_test.jsonl, "
+                        "math500_test.jsonl, mbpp_sanitized_test.jsonl (plain or .gz; default: the copies "
+                        "shipped in dspine/data/eval)")
+    p.add_argument("--prompts-dir", default=None, metavar="FOLDER",
+                   help="read the prompts from an export (train.jsonl, eval-<set>.jsonl; "
+                        "dspine.data.prompt_sources.export_prompts) instead of the data sets")
 
 
 def cmd_train(args) -> int:
     import torch
 
-    from dspine.train.trainer import TrainConfig, train
+    from dspine.train.config import TrainConfig
+    from dspine.train.trainer import train
 
-    cfg = TrainConfig.from_yaml(args.config, data=args.data, run_dir=args.run_dir, steps=args.steps,
-                                batch_size=args.batch_size)
+    cfg = TrainConfig.from_yaml(args.config, args.set or [], data=args.data, run_dir=args.run_dir, steps=args.steps,
+                                batch_size=args.batch_size, target=args.target)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.profile_steps:
         from dspine.train.profile import profile_training
@@ -24,8 +43,6 @@ def cmd_train(args) -> int:
 
 
 def cmd_gen_data(args) -> int:
-    import sys
-
     from dspine.train.gen_data import GenDataError, run_gen_data
 
     try:
@@ -35,10 +52,13 @@ def cmd_gen_data(args) -> int:
         return 2
 
 
-def add_command(sub) -> None:
-    from dspine.bench import accept as bench_accept
-    from dspine.train import gen_data
+def cmd_bench_accept(args) -> int:
+    from dspine.bench.accept import run_bench_accept
 
+    return run_bench_accept(args)
+
+
+def add_command(sub) -> None:
     raw = argparse.RawDescriptionHelpFormatter
     g = sub.add_parser("gen-data", help="regenerate training answers with the target itself", formatter_class=raw,
                        description="Target-regenerated training data (ShareGPT + synthetic code/math prompts, none "
@@ -46,18 +66,22 @@ def add_command(sub) -> None:
                                    "  dspine gen-data --out runs/data/smollm2.jsonl --num-prompts 8000 --batch-size 512\n"
                                    "  dspine gen-data --out runs/data/smollm2-x4.jsonl --server http://127.0.0.1:30000 \\\n"
                                    "      --batch-size 64 --concurrency 8 --temperature 0.8 --samples-per-prompt 4")
-    gen_data.add_arguments(g)
+    add_gen_data_arguments(g)
     g.set_defaults(func=cmd_gen_data)
 
     t = sub.add_parser("train", help="train a drafter online (frozen target in the loop)", formatter_class=raw,
                        description="Online training with checkpoint/resume. A run stopped by --time-limit-minutes "
                                    "exits with code 3 and continues where it stopped when started again.\n\n"
                                    "Examples:\n"
-                                   "  dspine train dspine/train/configs/smollm2-dspine.yaml --data runs/data/smollm2.jsonl\n"
-                                   "  dspine train dspine/train/configs/smollm2-ablation.yaml --data ... --time-limit-minutes 8")
-    t.add_argument("config", help="YAML training config (dspine/train/configs/*.yaml)")
+                                   "  dspine train smollm2-dspine --data runs/data/smollm2.jsonl\n"
+                                   "  dspine train smollm2-ablation --data ... --time-limit-minutes 8\n"
+                                   "  dspine train my.yaml --target ./my-target --set lr=3e-4 --set drafter.injection_top_k=16")
+    t.add_argument("config", help="a packaged training config name (smollm2-dspine, smollm2-ablation) or a YAML path")
     t.add_argument("--data", help="JSONL from `dspine gen-data` (overrides the config)")
     t.add_argument("--run-dir", help="where state, log and the exported checkpoint go (overrides the config)")
+    t.add_argument("--target", default=None, help="target to train against (overrides the config's `target`)")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a config field, value read as YAML (repeatable): lr=3e-4, drafter.injection_top_k=16")
     t.add_argument("--steps", type=int)
     t.add_argument("--batch-size", type=int)
     t.add_argument("--device", default=None)
@@ -75,5 +99,62 @@ def add_command(sub) -> None:
                                    "  CUDA_VISIBLE_DEVICES=1 dspine bench-accept --drafter ablation=... --out abl.json &\n"
                                    "  dspine bench-accept --drafter dspine=... --out dsp.json; wait\n"
                                    "  dspine bench-accept --merge dsp.json abl.json --out acceptance.json")
-    bench_accept.add_arguments(b)
-    b.set_defaults(func=bench_accept.run_bench_accept)
+    add_bench_accept_arguments(b)
+    b.set_defaults(func=cmd_bench_accept)
+
+
+def add_gen_data_arguments(p) -> None:
+    p.add_argument("--target", default=None, help="target (default: smollm2-135m-instruct)")
+    p.add_argument("--out", required=True, help="output JSONL path")
+    add_prompt_folder_arguments(p)
+    p.add_argument("--num-prompts", type=int, default=None, help="how many training prompts (default: all)")
+    p.add_argument("--max-prompt-tokens", type=int, default=384)
+    p.add_argument("--max-new-tokens", type=int, default=384)
+    p.add_argument("--batch-size", type=int, default=256,
+                   help="prompts per generate call (transformers) or per /generate request (--server)")
+    p.add_argument("--server", default=None, metavar="URL",
+                   help="generate with a running SGLang server of the same target (e.g. http://127.0.0.1:30000); "
+                        "--target still names the tokenizer and chat template")
+    p.add_argument("--concurrency", type=int, default=8, help="--server: requests in flight")
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="sampled answers per prompt (needs --temperature > 0); ids get '#<k>'")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy answers (default); > 0 samples them (ids get '#<k>')")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampled answers: nucleus mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sampled answers: keep the k likeliest tokens (0 = off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("-q", "--quiet", action="store_true")
+
+
+def add_bench_accept_arguments(p) -> None:
+    p.add_argument("--drafter", action="append", metavar="NAME=PATH",
+                   help="a drafter to measure (repeatable), e.g. dspine=dspine/checkpoints/dspine-smollm2-135m-instruct")
+    p.add_argument("--target", default=None)
+    add_prompt_folder_arguments(p)
+    p.add_argument("--datasets", nargs="+", default=list(EVAL_SETS), choices=list(EVAL_SETS))
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0], choices=[0.0, 1.0])
+    p.add_argument("--num-prompts", type=int, default=64, help="prompts per dataset")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    p.add_argument("--injection-candidates", choices=["per_layer", "first_layer"], default=None,
+                   help="override how injecting drafters find candidates (default: as trained); first_layer "
+                        "scans the vocabulary once per round instead of once per layer")
+    p.add_argument("--injection-top-k", type=int, default=None, metavar="K",
+                   help="override how many candidates each injection mixes (default: as trained); measures how "
+                        "sensitive a trained drafter is to its injection top-k")
+    p.add_argument("--selection", choices=["argmax", "transition"], default=None,
+                   help="override how drafters pick their tokens (default: as trained); argmax on a DSpine "
+                        "drafter isolates what the transition selection adds")
+    p.add_argument("--transition-lambda", type=float, default=None,
+                   help="override the transition selection's pair-score weight (default: the checkpoint's)")
+    p.add_argument("--check-parity", action="store_true",
+                   help="also decode plainly at T=0 and count prompts whose speculative output is identical")
+    p.add_argument("--out", default="benchmarks/results/acceptance_smollm2.json")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="no measuring: join result files written by separate runs (e.g. one drafter per GPU) "
+                        "into --out, recompute the summary and redraw the plot")

@@ -2,9 +2,10 @@
 
 DSpine drafters learn to predict the *target's* continuations, so the training answers are the
 target's own (greedy by default): ShareGPT first turns plus synthetic code/math prompts, none of
-them from an evaluation set (`dspine.data.datasets.training_prompts`). Output: JSONL, one sequence per
+them from an evaluation set (`dspine.data.prompt_sources.training_prompts`). Output: JSONL, one sequence per
 line, `{"id", "source", "ids": prompt+answer token ids, "answer_start": index of the first answer
-token}`; written to a temporary file and renamed, so an interrupted run leaves no partial file.
+token, "target": {"name", "fingerprint"}}` (`target_identity`: `dspine train` refuses data of another
+target); written atomically, so an interrupted run leaves no partial file.
 
 Two generators give the same records: the target in transformers (`generate`, batched, default)
 or a running SGLang server of the same target (`--server URL`: native `/generate` on the chat
@@ -16,18 +17,23 @@ clashing ids; `--samples-per-prompt K` gives every prompt K of them.
 
 from __future__ import annotations
 
-import json
-import os
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
-from dspine.data.datasets import training_prompts
-from dspine.engine.targets import chat_prompt_ids, load_target, load_tokenizer, stop_token_ids
+from dspine.data.prompt_sources import training_prompts
+from dspine.engine.targets import (
+    DEFAULT_TARGET,
+    chat_prompt_ids,
+    load_target,
+    load_target_config,
+    load_tokenizer,
+    stop_token_ids,
+    target_identity,
+)
+from dspine.utils.atomic import write_jsonl_atomic
+from dspine.utils.http import HttpClient, HttpError
 
 
 class GenDataError(RuntimeError):
@@ -37,7 +43,7 @@ class GenDataError(RuntimeError):
 @torch.no_grad()
 def generate_answers(target, tokenizer, prompts, *, max_prompt_tokens: int, max_new_tokens: int, batch_size: int,
                      temperature: float, seed: int, top_p: float = 1.0, top_k: int = 0, progress: bool = True):
-    """Yield sequence records for `prompts` (a list of `dspine.data.datasets.Prompt`). Greedy when
+    """Yield sequence records for `prompts` (a list of `dspine.data.prompts.Prompt`). Greedy when
     `temperature` is 0, else sampled with top-p (1 = off) and top-k (0 = off)."""
     from tqdm.auto import tqdm
 
@@ -76,14 +82,11 @@ def generate_answers(target, tokenizer, prompts, *, max_prompt_tokens: int, max_
 
 
 def _post_generate(url: str, body: dict, timeout: float) -> list[dict]:
-    request = urllib.request.Request(f"{url.rstrip('/')}/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            out = json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        raise GenDataError(f"{url}/generate answered HTTP {e.code}: {e.read()[:300]!r}") from e
-    except (urllib.error.URLError, OSError) as e:
+        out = HttpClient(url, timeout, retries=0).post("/generate", body)
+    except HttpError as e:
+        if e.status is not None:
+            raise GenDataError(f"{url}/generate answered HTTP {e.status}: {e.body[:300]!r}") from e
         raise GenDataError(f"no SGLang server answers at {url} ({e}); start one with the same target "
                            f"(`sglang serve --model-path ...`) or drop --server") from e
     return out if isinstance(out, list) else [out]
@@ -163,11 +166,14 @@ def run_gen_data(args) -> int:
                            "set --temperature > 0 (the evaluation's T=1 uses --temperature 1 --top-p 0.95 --top-k 20)")
     if not 0 < args.top_p <= 1 or args.top_k < 0:
         raise GenDataError(f"--top-p must be in (0, 1] and --top-k >= 0 (0 = off), got {args.top_p} and {args.top_k}")
-    prompts = _repeat_for_samples(training_prompts(args.num_prompts, seed=args.seed), args.samples_per_prompt,
-                                  sampled=args.temperature > 0)
+    prompts = training_prompts(args.num_prompts, seed=args.seed, data_dir=getattr(args, "data_dir", None),
+                               prompts_dir=getattr(args, "prompts_dir", None))
+    prompts = _repeat_for_samples(prompts, args.samples_per_prompt, sampled=args.temperature > 0)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if args.server:
         tokenizer, stops = load_tokenizer(args.target)
+        target_config = load_target_config(args.target)
         records = generate_answers_server(args.server, tokenizer, stops, prompts,
                                           max_prompt_tokens=args.max_prompt_tokens,
                                           max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
@@ -175,47 +181,23 @@ def run_gen_data(args) -> int:
                                           **sampling)
     else:
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-        target, tokenizer = load_target(args.target, dtype=dtype, device=args.device)
-        if args.device.startswith("cuda"):
+        target, tokenizer = load_target(args.target, dtype=dtype, device=device)
+        target_config = target.config
+        if device.startswith("cuda"):
             target.generation_config.cache_implementation = None
         records = generate_answers(target, tokenizer, prompts, max_prompt_tokens=args.max_prompt_tokens,
                                    max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                    seed=args.seed, progress=not args.quiet, **sampling)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial")
+    identity = target_identity(target_config, args.target or DEFAULT_TARGET)
+    stamp = {"name": identity["name"], "fingerprint": identity["fingerprint"]}
     count = 0
-    try:
-        with open(tmp, "w") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
-                count += 1
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    print(f"dspine gen-data: wrote {count} sequences to {out}")
+
+    def stamped():
+        nonlocal count
+        for rec in records:
+            count += 1
+            yield {**rec, "target": stamp}
+
+    write_jsonl_atomic(args.out, stamped())
+    print(f"dspine gen-data: wrote {count} sequences to {args.out}")
     return 0
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--target", default=None, help="target (default: smollm2-135m-instruct)")
-    p.add_argument("--out", required=True, help="output JSONL path")
-    p.add_argument("--num-prompts", type=int, default=None, help="how many training prompts (default: all)")
-    p.add_argument("--max-prompt-tokens", type=int, default=384)
-    p.add_argument("--max-new-tokens", type=int, default=384)
-    p.add_argument("--batch-size", type=int, default=256,
-                   help="prompts per generate call (transformers) or per /generate request (--server)")
-    p.add_argument("--server", default=None, metavar="URL",
-                   help="generate with a running SGLang server of the same target (e.g. http://127.0.0.1:30000); "
-                        "--target still names the tokenizer and chat template")
-    p.add_argument("--concurrency", type=int, default=8, help="--server: requests in flight")
-    p.add_argument("--samples-per-prompt", type=int, default=1,
-                   help="sampled answers per prompt (needs --temperature > 0); ids get '#<k>'")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy answers (default); > 0 samples them (ids get '#<k>')")
-    p.add_argument("--top-p", type=float, default=1.0, help="sampled answers: nucleus mass (1 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="sampled answers: keep the k likeliest tokens (0 = off)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("-q", "--quiet", action="store_true")

@@ -2,27 +2,30 @@
 
 The step count is what the DSpine drafter reaches in `--dspine-seconds` (measured with a short
 probe run), so one device call of at most 10 minutes can hold a training run; the ablation then
-trains for exactly as many steps in a later call. Each phase copies its log and, when done, its
-exported checkpoint to `--out-dir`.
+trains for exactly as many steps in a later call. Each phase writes its log
+(`train_log_<run>.json`: device, command, config, wall time, the trainer's log) and, when done, its
+exported checkpoint (`ckpt_<run>`) to `--out-dir`. Both runs use the packaged SmolLM2 training
+configs (`dspine/train/configs/smollm2-{dspine,ablation}.yaml`).
 
-  python dspine/train/pair.py probe-and-train-dspine --data D --work W --out-dir O --dspine-seconds 300
-  python dspine/train/pair.py train-ablation --data D --work W --out-dir O [--steps N]
+  python scripts/train_pair.py probe-and-train-dspine --data D --work W --out-dir O --dspine-seconds 300
+  python scripts/train_pair.py train-ablation --data D --work W --out-dir O [--steps N]
 
 With a fixed step count both can train at once, one process each (resumable, `--time-limit`):
 
-  python dspine/train/pair.py train-dspine --steps N --data D --work W --out-dir O --time-limit 540 &
-  python dspine/train/pair.py train-ablation --steps N --data D --work W --out-dir O --time-limit 540
+  python scripts/train_pair.py train-dspine --steps N --data D --work W --out-dir O --time-limit 540 &
+  python scripts/train_pair.py train-ablation --steps N --data D --work W --out-dir O --time-limit 540
 
 A DSpine variant against the same ablation (same data, steps, seed; only the named fields differ),
 e.g. a wider injection, writes train_log_dspine-top16.json and ckpt_dspine-top16:
 
-  python dspine/train/pair.py train-dspine --steps N ... --variant top16 --drafter-set injection_top_k=16
+  python scripts/train_pair.py train-dspine --steps N ... --variant top16 --drafter-set injection_top_k=16
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.resources
 import json
 import shutil
 import sys
@@ -32,8 +35,14 @@ from pathlib import Path
 import torch
 
 from dspine.train.trainer import TrainConfig, train
+from dspine.utils.atomic import write_json_atomic
 
-CONFIGS = {"dspine": "dspine/train/configs/smollm2-dspine.yaml", "ablation": "dspine/train/configs/smollm2-ablation.yaml"}
+CONFIG_FILES = {"dspine": "smollm2-dspine.yaml", "ablation": "smollm2-ablation.yaml"}
+
+
+def config_path(name: str) -> Path:
+    """The packaged training config of run `name` ("dspine" or "ablation")."""
+    return Path(str(importlib.resources.files("dspine.train") / "configs" / CONFIG_FILES[name]))
 
 
 def drafter_settings(pairs: list[str]) -> dict:
@@ -55,7 +64,7 @@ def build_config(name: str, args, steps: int) -> tuple[str, TrainConfig]:
     """(run name, config): the DSpine run takes `--variant`/`--drafter-set` (a variant trains in
     WORK/dspine-VARIANT and reports as dspine-VARIANT, beside the unchanged pair)."""
     run = f"{name}-{args.variant}" if args.variant else name
-    cfg = TrainConfig.from_yaml(CONFIGS[name], data=args.data, run_dir=str(Path(args.work) / run), steps=steps)
+    cfg = TrainConfig.from_yaml(config_path(name), data=args.data, run_dir=str(Path(args.work) / run), steps=steps)
     cfg.drafter.update(drafter_settings(args.drafter_set))
     return run, cfg
 
@@ -70,7 +79,7 @@ def _run(name: str, args, steps: int) -> Path | None:
     record = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                   timespec="seconds"), "command": " ".join(sys.argv), "torch": torch.__version__,
               "config": vars(cfg), "wall_seconds": time.perf_counter() - t0, "log": log}
-    (out / f"train_log_{name}.json").write_text(json.dumps(record, indent=1))
+    write_json_atomic(out / f"train_log_{name}.json", record, indent=1)
     if export is not None:  # the ablation's weights come back too, for serving; they stay out of git
         dest = out / f"ckpt_{name}"
         shutil.rmtree(dest, ignore_errors=True)
@@ -102,13 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--drafter-set needs --variant NAME, so the changed drafter does not overwrite the pair's")
     steps_file = Path(args.work) / "steps.json"
     if args.phase == "probe-and-train-dspine":
-        probe = TrainConfig.from_yaml(CONFIGS["dspine"], data=args.data, run_dir=str(Path(args.work) / "probe"),
+        probe = TrainConfig.from_yaml(config_path("dspine"), data=args.data, run_dir=str(Path(args.work) / "probe"),
                                       steps=25, log_every=5, eval_every=1000, save_every=1000)
         train(probe, device="cuda", progress=False)
         log = json.loads((Path(probe.run_dir) / "log.json").read_text())
         step_s = sorted(e["step_seconds"] for e in log[1:])[len(log[1:]) // 2]
         steps = int(min(args.max_steps, args.dspine_seconds / (step_s * 1.12)))  # 12%: held-out evals, saves
-        steps_file.write_text(json.dumps({"steps": steps, "probe_step_seconds": step_s}))
+        write_json_atomic(steps_file, {"steps": steps, "probe_step_seconds": step_s}, indent=None)
         print(f"probe: {step_s:.3f} s/step -> {steps} steps", flush=True)
         torch.cuda.empty_cache()
         _run("dspine", args, steps)
@@ -125,4 +134,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -13,6 +13,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 RETRY_STATUS = (502, 503, 504)
@@ -47,13 +48,26 @@ class HttpClient:
         return json.loads(self.request_raw(path, body))
 
     def request_raw(self, path: str, body: dict | None = None) -> bytes:
+        return self._send(path, body, read=True)
+
+    def stream_lines(self, path: str, body: dict) -> Iterator[bytes]:
+        """POST `body` and yield the reply line by line as it arrives (server-sent events). Opening
+        the reply is retried as in `request`; a reply already being read is not."""
+        with self._send(path, body, read=False) as reply:
+            yield from reply
+
+    def _send(self, path: str, body: dict | None, read: bool):
+        """The reply's bytes (`read`), else the open reply for the caller to read and close."""
         full = self.url.rstrip("/") + path
         data = None if body is None else json.dumps(body).encode()
         method = "GET" if body is None else "POST"
         for attempt in range(self.retries + 1):
             request = urllib.request.Request(full, data=data, headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as reply:
+                reply = urllib.request.urlopen(request, timeout=self.timeout)
+                if not read:
+                    return reply
+                with reply:
                     return reply.read()
             except urllib.error.HTTPError as err:
                 payload = err.read()

@@ -20,11 +20,9 @@ and `torch.get_device_module()` answering `torch.cpu` (the GDN layer asks it for
 """
 
 from __future__ import annotations
-import importlib
 
 import hashlib
 import importlib.metadata
-import importlib.util
 import inspect
 import json
 from pathlib import Path
@@ -41,7 +39,9 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from sglang_cpu import publish_args, single_process_groups  # noqa: E402
 
-from dspine.serve import presets as serving_presets  # noqa: E402
+from dspine.bench import hybrid_pair  # noqa: E402
+from dspine.bench import serving as bench_serving  # noqa: E402
+from dspine.serve import launch as serving_launch, presets as serving_presets  # noqa: E402
 from dspine.model.checkpoint import (  # noqa: E402
     IncompatibleTargetError,
     check_target_compatible,
@@ -81,7 +81,7 @@ def sha(path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def make_pair():
-    return importlib.import_module("dspine.bench.hybrid_pair")
+    return hybrid_pair
 
 
 @pytest.fixture(scope="module")
@@ -117,11 +117,10 @@ def resolve(argv: list[str]):
 
 def bench_dspine_flags(target: Path, drafter: Path, cache_len: int) -> list[str]:
     """The DSPINE server's flags exactly as dspine/bench/serving.py builds them for the host run."""
-    bench = importlib.import_module("dspine.bench.serving")
-    args = bench.parse_args(["--model-path", str(target), "--draft", str(drafter), "--configs", "AR,DSPINE",
+    args = bench_serving.parse_args(["--model-path", str(target), "--draft", str(drafter), "--configs", "AR,DSPINE",
                              "--extra-flags", HOST_EXTRA,
                              "--spec-flags", REPLAYSSM.format(cache_len)])
-    configs = bench.server_configs(args)
+    configs = bench_serving.server_configs(args)
     assert "--enable-linear-replayssm-spec" not in configs["AR"]
     return configs["DSPINE"]
 
@@ -225,7 +224,7 @@ def test_the_host_benchmark_flags_resolve_with_ring_32_only(plugins, pair, defau
     drafter = pair / "drafter"
     argv = [*SERVE_SH_BASE, *bench_dspine_flags(default_target, drafter, cache_len), *CPU]
     assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "16"
-    command = serving_presets.build_serve_command(
+    command = serving_launch.build_serve_command(
         serving_presets.load_preset("qwen3.8-27b"),
         ["--model-path", str(default_target), "--speculative-draft-model-path", str(drafter),
          "--speculative-num-draft-tokens", "16", "--linear-replayssm-cache-len", str(cache_len)],

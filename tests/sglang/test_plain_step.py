@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from sglang.srt.speculative import dflash_worker_v2 as dflash  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
-from dspine.dynamic.verification import SpsCostTable  # noqa: E402
+from dspine.dynamic.cost_tables import SpsCostTable  # noqa: E402
 from dspine.dynamic.switch import ServingSwitch, SwitchConfig  # noqa: E402
 from dspine.sglang import plain_step  # noqa: E402
 from dspine.sglang.dspine_worker_v2 import DSpineWorkerV2  # noqa: E402

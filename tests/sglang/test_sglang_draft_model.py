@@ -13,7 +13,7 @@ What runs here, per installed SGLang (0.5.17 and 0.5.22 venvs):
   replaced by a plain attention over the context K/V that SGLang's model methods materialise
   (`project_target_hidden`, `kv_proj_only`, `apply_k_norm`, `apply_k_rope`, as the worker does);
 - token choice: the in-graph sampler (0.5.17), the eager fallback and the selector seam (0.5.20+;
-  on 0.5.22 through SGLang's own `_SelectorDraftSampler`) against `dspine.model.transition.select_tokens`;
+  on 0.5.22 through SGLang's own `_SelectorDraftSampler`) against `dspine.model.selection.select_tokens`;
 - the worker's target attach, transfer-table refresh and ReplaySSM commit routing on bare
   instances (a real `DFlashWorkerV2.__init__` needs a GPU).
 """
@@ -49,7 +49,7 @@ from dspine.model.checkpoint import (  # noqa: E402
 from dspine.model.config import ConfigError  # noqa: E402
 from dspine.kernels.adjacent_injection import adjacent_injection_reference  # noqa: E402
 from dspine.kernels.transition_select import transition_path_reference  # noqa: E402
-from dspine.model.transition import select_tokens  # noqa: E402
+from dspine.model.selection import select_tokens  # noqa: E402
 from sglang_cpu import publish_args, single_process_groups  # noqa: E402
 
 V, H, N, R, K, TARGET_LAYERS = 256, 64, 8, 16, 4, 6
@@ -63,7 +63,7 @@ def dspine_cfg(**overrides) -> DSpineConfig:
     opts = dict(hidden_size=H, vocab_size=V, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
                 num_target_layers=TARGET_LAYERS, mask_token_id=3, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
                 block_size=N, transfer_rank=R, sliding_window=64, injection_top_k=K, selection_top_k=K,
-                successor_table_size=8, transition_lambda=1.0)
+                successor_table_size=8, transition_lambda=1.0, injection_candidates="per_layer")
     opts.update(overrides)
     return DSpineConfig(**opts)
 
@@ -265,7 +265,7 @@ def test_a_wrong_shape_is_named(sglang_env, ckpt):
 
 
 def test_full_tensor_fits_a_row_or_column_shard_only_at_the_tp_degree(sglang_env):
-    from dspine.sglang.draft_model import full_tensor_fits
+    from dspine.sglang.draft_weights import full_tensor_fits
     assert full_tensor_fits((8, 6), (8, 6), 1) and full_tensor_fits((8, 6), (8, 6), 2)
     assert full_tensor_fits((8, 6), (8, 3), 2) and full_tensor_fits((8, 6), (4, 6), 2)
     assert not full_tensor_fits((8, 6), (8, 3), 1)       # no TP: shapes must match
@@ -278,8 +278,8 @@ def test_under_tp_a_sharded_parameter_takes_its_slice_of_the_full_tensor(sglang_
     """A row-parallel `down_proj` built for TP 2 holds half the input dim: the full checkpoint tensor
     reaches the parameter's own loader (which narrows to its rank); a tensor of any other width is
     refused by name before any loader runs."""
-    import dspine.sglang.draft_model as draft_module
-    monkeypatch.setattr(draft_module, "_loading_tp_size", lambda: 2)
+    import dspine.sglang.draft_weights as weights_module
+    monkeypatch.setattr(weights_module, "_loading_tp_size", lambda: 2)
     tensors = read_tensors(ckpt)
     name = "layers.4.mlp.down_proj.weight"
     full = tensors[name]
@@ -309,7 +309,7 @@ def test_later_weight_updates_may_be_partial(sglang_env, ckpt):
 
 
 def test_name_mapping_and_coverage_as_pure_functions(sglang_env, ckpt):
-    from dspine.sglang.draft_model import check_weight_coverage, checkpoint_names_of, expected_shards, map_weight_name
+    from dspine.sglang.draft_weights import check_weight_coverage, checkpoint_names_of, expected_shards, map_weight_name
 
     assert map_weight_name("model.layers.3.self_attn.v_proj.weight") == ("layers.3.self_attn.qkv_proj.weight", "v")
     assert map_weight_name("layers.0.mlp.gate_proj.weight") == ("layers.0.mlp.gate_up_proj.weight", 0)
@@ -330,7 +330,7 @@ def test_name_mapping_and_coverage_as_pure_functions(sglang_env, ckpt):
 
 
 def test_the_dflash_config_mirror_is_required(sglang_env, tmp_path):
-    from dspine.sglang.draft_model import check_dflash_mirror, dspine_config_of
+    from dspine.sglang.draft_weights import check_dflash_mirror, dspine_config_of
 
     path = write_checkpoint(tmp_path / "no_mirror", dspine_cfg(), mirror=False)
     with pytest.raises(ConfigError, match="no `dflash_config` block"):

@@ -147,7 +147,7 @@ def test_registration_failure_is_logged_loudly_and_reraised(algo, monkeypatch, c
     message = record.getMessage()
     assert "DSpine could not register with SGLang: TypeError" in message
     assert "Unknown speculative algorithm name: DSPINE" in message and "Hint:" in message
-    assert "0.5.17 to 0.5.22" in message
+    assert "0.5.17 to 0.5.23" in message
 
 
 def test_a_foreign_dspine_registration_is_refused(algo, monkeypatch, caplog):
@@ -176,3 +176,30 @@ def test_misleading_window_warning_is_hidden_for_dspine_only(algo):
 
     assert not hook_filter.filter(record("DSPINE"))
     assert hook_filter.filter(record("NGRAM"))
+
+
+def test_untested_sglang_version_warns_once_naming_version_and_range(monkeypatch, caplog):
+    monkeypatch.setattr(plugin, "_warned_versions", set())
+    caplog.set_level(logging.WARNING, logger=plugin.__name__)
+    for version in ("0.5.17", "0.5.20", "0.5.23", "0.5.23.post1"):
+        assert plugin.warn_if_untested_sglang(version)
+    assert not caplog.records
+    assert not plugin.warn_if_untested_sglang("0.5.24")
+    assert not plugin.warn_if_untested_sglang("0.5.24")       # a second time: no second line
+    assert not plugin.warn_if_untested_sglang("0.5.16")
+    assert not plugin.warn_if_untested_sglang("nightly")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and all("0.5.17 to 0.5.23" in line for line in lines)
+    assert "sglang 0.5.24 is outside" in lines[0] and "sglang 0.5.16 is outside" in lines[1]
+
+
+def test_register_checks_the_installed_version(algo, monkeypatch, caplog):
+    monkeypatch.setattr(plugin, "_warned_versions", set())
+    monkeypatch.setattr("dspine.sglang.compat.sglang_version", lambda: "0.6.0")
+    caplog.set_level(logging.WARNING, logger=plugin.__name__)
+    plugin.register()
+    plugin.register()
+    assert [r.getMessage() for r in caplog.records if "outside the tested range" in r.getMessage()] == [
+        "DSpine: sglang 0.6.0 is outside the tested range 0.5.17 to 0.5.23; DSPINE may fail or misbehave. "
+        "Fix: install an SGLang in that range (`pip install 'dspine[sglang]'` pins one)."]
+    assert plugin.warn_if_untested_sglang(importlib.metadata.version("sglang"))   # the installed one is tested

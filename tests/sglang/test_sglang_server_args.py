@@ -27,7 +27,7 @@ except importlib.metadata.PackageNotFoundError:
 from sglang.srt.plugins import load_plugins  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
-from dspine.serve import presets as serving_presets  # noqa: E402
+from dspine.serve import launch as serving_launch, presets as serving_presets  # noqa: E402
 from dspine.sglang import compat  # noqa: E402
 from dspine.serve.flags import FlagError  # noqa: E402
 
@@ -115,7 +115,7 @@ def base(dirs, target="dense", draft="draft", *extra):
     ("qwen3.8-27b", "hybrid", ["--disable-overlap-schedule"], 32),
 ])
 def test_preset_flags_resolve(dirs, monkeypatch, preset, target, cpu_only, max_running):
-    command = serving_presets.build_serve_command(
+    command = serving_launch.build_serve_command(
         serving_presets.load_preset(preset),
         ["--model-path", dirs[target], "--speculative-draft-model-path", dirs["draft"], *CPU, *cpu_only],
         launcher=["sglang", "serve"], environ={})
@@ -148,7 +148,8 @@ def test_writes_land_where_this_version_keeps_decisions(dirs):
     from sglang.srt.arg_groups import overrides
 
     server_args, _ = resolve(base(dirs))
-    ours = {"speculative_num_steps": 1, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 16,
+    ours = {"speculative_draft_window_size": 8192,  # unset: the checkpoint's dspine_config.sliding_window
+            "speculative_num_steps": 1, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 16,
             "max_running_requests": 48}
     if hasattr(overrides, "record_foreign_defaults"):
         declared = [fields for source, fields in server_args._resolved_overrides
@@ -206,3 +207,9 @@ def test_replayssm_resolves_with_a_valid_ring(dirs):
     _, view = resolve(base(dirs, "hybrid", "draft", "--disable-overlap-schedule", "--enable-linear-replayssm-spec",
                            "--linear-replayssm-cache-len", "32"))
     assert view.speculative_num_draft_tokens == 16 and view.mamba_ssm_dtype == "float32"
+
+
+def test_an_explicit_draft_window_wins_over_the_checkpoint(dirs):
+    _, explicit = resolve(base(dirs) + ["--speculative-draft-window-size", "4096"])
+    _, unset = resolve(base(dirs))
+    assert explicit.speculative_draft_window_size == 4096 and unset.speculative_draft_window_size == 8192

@@ -37,6 +37,7 @@ from sglang.srt.server_args import prepare_server_args
 from sglang.srt.utils.hf_transformers_utils import get_config
 from sglang_cpu import init_tp_groups, publish_args
 import dspine.sglang.draft_model as draft_module
+import dspine.sglang.draft_weights as weights_module
 
 load_plugins()
 args = prepare_server_args(["--model-path", target, "--speculative-algorithm", "dspine",
@@ -49,7 +50,7 @@ init_tp_groups(rank, 2, port)
 rotary_base._is_cpu = True
 cls, _ = ModelRegistry.resolve_model_cls(["DSpineDraftModel"])
 model = cls(config=get_config(ckpt, trust_remote_code=False), quant_config=None).eval()
-assert draft_module._loading_tp_size() == 2
+assert weights_module._loading_tp_size() == 2
 model.load_weights(iter(__import__("test_sglang_draft_model").read_tensors(ckpt).items()))
 params = {n: p.detach().clone() for n, p in model.named_parameters()}
 
