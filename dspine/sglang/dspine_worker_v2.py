@@ -62,7 +62,6 @@ from torch import Tensor
 
 from dspine import env
 from dspine.model.checkpoint import check_target_compatible
-from dspine import env
 from dspine.dynamic.switch import ServingSwitch, SwitchConfig
 from dspine.sglang import compat, step_clock
 from dspine.sglang.draft_model import DSpineDraftModel

@@ -25,9 +25,9 @@ draft input holds each request's last committed token, the "bonus"):
    commit lengths K, sequence lengths + K; SGLang's `customized_info` gets one `dspine_verify_tokens`
    entry (1: the width of each target forward) per request, as a drafting step under the switch gets N.
 
-Why K > 1: inside the speculative worker a one-token plain step costs far more than an AR step (the
-2026-12-01 H200 profile, SmolLM2 at one request: 2.31 ms against 1.25 ms, the difference host work:
-the drafter's KV append, DFlash's KV reservation, speculative bookkeeping). A K-token plain step
+Why K > 1: inside the speculative worker a one-token plain step costs far more than an AR step
+(SmolLM2 at one request on an H200: 2.31 ms against 1.25 ms, `benchmarks/results/step_profile_h200.json`;
+the difference is host work: the drafter's KV append, DFlash's KV reservation, speculative bookkeeping). A K-token plain step
 pays that per-step work once per K tokens, like a drafting step whose proposals are always
 accepted; each chained decode still costs about an AR step's time (K = 8 measured ~1.1 ms each).
 Tokens past a request's end (stop token, max_tokens) are dropped by SGLang's result processing, as past-the-end accepted drafts are: at most K-1 wasted target forwards per request.
