@@ -133,3 +133,14 @@ def test_split_is_deterministic_disjoint_and_content_based():
     request = load_traces([TRACES / "sharegpt_dev.jsonl"])[0]
     moved = TraceRequest(messages=request.messages, max_tokens=7, source="elsewhere:99")
     assert moved.split == request.split and moved.key == request.key   # file, line, max_tokens don't matter
+
+
+def test_unicode_line_separators_inside_a_record_do_not_split_it(tmp_path):
+    from dspine.utils.atomic import write_jsonl_atomic
+
+    text = "first\u2028second\x85third"
+    path = tmp_path / "t.jsonl"
+    write_jsonl_atomic(path, [{"messages": [{"role": "user", "content": text}]}])
+    assert "\u2028" in path.read_text(encoding="utf-8")          # written unescaped: the reader must cope
+    [request] = load_traces([path])
+    assert request.messages[-1]["content"] == text

@@ -5,8 +5,9 @@ Even-numbered requests of a level are streamed (SSE, `stream_options.include_usa
 time to the first content chunk; odd-numbered ones are not streamed and carry SGLang's
 `return_meta_info`, whose `spec_verify_ct` gives the accept length. SGLang rejects
 `return_meta_info` with `stream=true` and puts no speculative fields in streamed chunks, hence the
-split; both halves load the server the same way. Requests are never retried: a retry would hide a
-failure inside a timed level.
+split; both halves load the server the same way (`run_level(..., streamed=False)`: no streamed half,
+every request carries meta_info, when no TTFT is wanted). Requests are never retried: a retry would
+hide a failure inside a timed level.
 """
 
 from __future__ import annotations
@@ -21,37 +22,44 @@ from pathlib import Path
 
 from dspine.bench.results import BenchError
 from dspine.data.eval_sets import EVAL_SETS, load_eval_set
-from dspine.data.prompts import Prompt, load_prompts
+from dspine.data.prompts import load_prompts
 from dspine.utils.http import HttpClient
 
 CHAT = "/v1/chat/completions"
 
 
-def load_prompt_mix(n: int, prompts_dir: Path | None = None) -> list[dict]:
-    """`n` prompts, round-robin over the five evaluation sets (each set's first prompts, file order):
-    dicts `{"id", "source", "messages"}`. With `prompts_dir`, the sets are read from its exports
-    `eval-<set>.jsonl` (`dspine.data.prompt_sources.export_prompts`; for machines without the data packages)."""
-    per_set = math.ceil(n / len(EVAL_SETS))
-
-    def load(name: str) -> list[Prompt]:
-        if prompts_dir is None:
-            return load_eval_set(name, per_set)
+def load_set_prompts(name: str, n: int, prompts_dir: Path | None = None) -> list[dict]:
+    """The first `n` prompts of evaluation set `name` (file order) as dicts `{"id", "source",
+    "messages"}`; with `prompts_dir`, read from its export `eval-<name>.jsonl`
+    (`dspine.data.prompt_sources.export_prompts`; for machines without the data packages)."""
+    if prompts_dir is None:
+        prompts = load_eval_set(name, n)
+    else:
         path = Path(prompts_dir) / f"eval-{name}.jsonl"
         if not path.is_file():
             raise BenchError(f"--prompts-dir {prompts_dir} has no {path.name}: export the prompts there "
                              "(dspine.data.prompt_sources.export_prompts)")
-        return load_prompts(path)[:per_set]
+        prompts = load_prompts(path)[:n]
+    return [{"id": p.id, "source": p.source, "messages": p.messages} for p in prompts]
 
-    sets = [load(name) for name in EVAL_SETS]
+
+def load_prompt_mix(n: int, prompts_dir: Path | None = None) -> list[dict]:
+    """`n` prompts, round-robin over the five evaluation sets (each set's first prompts, file order,
+    `load_set_prompts`): dicts `{"id", "source", "messages"}`."""
+    per_set = math.ceil(n / len(EVAL_SETS))
+    sets = [load_set_prompts(name, per_set, prompts_dir) for name in EVAL_SETS]
     mixed = [s[i] for i in range(per_set) for s in sets if i < len(s)]
     if len(mixed) < n:
         raise BenchError(f"only {len(mixed)} evaluation prompts available, {n} asked for")
-    return [{"id": p.id, "source": p.source, "messages": p.messages} for p in mixed[:n]]
+    return mixed[:n]
 
 
 def chat_body(prompt: dict, model: str, max_tokens: int, **extra) -> dict:
-    """Greedy chat request for `prompt`: temperature 0, fixed max_tokens, EOS honoured."""
-    return {"model": model, "messages": prompt["messages"], "temperature": 0, "max_tokens": max_tokens, **extra}
+    """Greedy chat request for `prompt` (its `messages`, and its `tools` when it has any):
+    temperature 0, fixed max_tokens, EOS honoured."""
+    tools = {"tools": prompt["tools"]} if prompt.get("tools") else {}
+    return {"model": model, "messages": prompt["messages"], **tools, "temperature": 0, "max_tokens": max_tokens,
+            **extra}
 
 
 @dataclass
@@ -139,12 +147,14 @@ def accept_length(replies: list[Reply]) -> float:
     return sum(r.completion_tokens for r in spec) / sum(r.meta_info["spec_verify_ct"] for r in spec)
 
 
-def run_level(base: str, bodies: list[dict], concurrency: int, timeout: float) -> tuple[dict, list[Reply]]:
+def run_level(base: str, bodies: list[dict], concurrency: int, timeout: float,
+              streamed: bool = True) -> tuple[dict, list[Reply]]:
     """Every request body at `concurrency` in flight: the level's throughput, TTFT and accept
-    length, and its non-streamed replies (wall time and meta_info each)."""
+    length, and its non-streamed replies (wall time and meta_info each). `streamed=False`: every
+    request is non-streamed with meta_info (the accept length from all of them; TTFT fields None)."""
 
     def one(i: int) -> tuple[int, Reply]:
-        if i % 2 == 0:
+        if streamed and i % 2 == 0:
             return i, send_streamed(base, bodies[i], timeout)
         return i, send_with_meta(base, bodies[i], timeout)
 
@@ -161,8 +171,8 @@ def run_level(base: str, bodies: list[dict], concurrency: int, timeout: float) -
         "completion_tokens": tokens,
         "wall_s": wall,
         "output_tok_per_s": tokens / wall,
-        "ttft_ms": statistics.fmean(ttfts),
-        "ttft_p50_ms": statistics.median(ttfts),
+        "ttft_ms": statistics.fmean(ttfts) if ttfts else None,
+        "ttft_p50_ms": statistics.median(ttfts) if ttfts else None,
         "accept_len": accept_length(with_meta),
     }, with_meta
 

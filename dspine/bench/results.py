@@ -45,5 +45,6 @@ def check_schema(value, schema, where: str = "results") -> None:
             raise BenchError(f"{where}: expected a list")
         for i, item in enumerate(value):
             check_schema(item, schema[0], f"{where}[{i}]")
-    elif not (isinstance(value, schema) or (schema is float and isinstance(value, int))) or isinstance(value, bool):
+    elif not (isinstance(value, schema) or (schema is float and isinstance(value, int))) or (
+            isinstance(value, bool) and schema is not bool):
         raise BenchError(f"{where}: expected {schema.__name__}, got {value!r}")

@@ -52,7 +52,7 @@ def read_bytes(path: Path) -> bytes:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in read_bytes(path).decode("utf-8").splitlines() if line.strip()]
+    return [json.loads(line) for line in read_bytes(path).decode("utf-8").split("\n") if line.strip()]
 
 
 def save_prompts(path: str | Path, prompts: list[Prompt]) -> None:

@@ -244,7 +244,7 @@ def _records(path: Path, problems: list[str]) -> Iterator[tuple[object, str]]:
                 return
             yield obj, f"{path}:{line}"
         return
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
