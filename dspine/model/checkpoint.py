@@ -9,9 +9,10 @@ model card `README.md` with hub front matter, and optionally the target's identi
 (`huggingface_hub.snapshot_download`, local cache first).
 
 Saving writes into a temporary sibling directory and renames it into place, so an interrupted
-save leaves nothing half-written. Loading checks the config, then every tensor name, dtype and
-shape, then the target's compatibility, and raises a `CheckpointError` subclass naming the field
-and the fix.
+save leaves nothing half-written. Loading checks the config, the target's compatibility, then the
+weight files from their headers alone (`check_weights`, also what `dspine info` runs): each file
+readable and exactly as long as its header says, every tensor name, dtype and shape as the config
+implies; it raises a `CheckpointError` subclass naming the file or field and the fix.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import save_torch_state_dict
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from dspine import env
 from dspine.model.card import model_card
@@ -36,6 +37,7 @@ ARCHITECTURE = "DSpineDraftModel"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 class CheckpointError(ValueError):
@@ -195,40 +197,66 @@ def read_config(ckpt_dir: Path) -> DSpineConfig:
         raise CheckpointError(f"{cfg_file}: {exc}") from exc
 
 
+class CorruptWeightsError(CheckpointError):
+    """A weight file or the shard index is missing, truncated or unreadable."""
+
+
+def _refetch(what: str) -> str:
+    return (f"{what}; re-download the checkpoint, or re-export it (`dspine train` writes RUN_DIR/checkpoint; "
+            f"`dspine.model.checkpoint.save_checkpoint` from a model)")
+
+
+def _open_weights(file: Path):
+    """`safe_open(file)`: reads the header only, and checks the data it describes covers the file
+    exactly (a truncated or padded file fails here); CorruptWeightsError naming `file` otherwise."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise CorruptWeightsError(_refetch(f"{file}: not a readable safetensors file ({exc}): it is truncated "
+                                           f"or corrupt")) from None
+
+
 def _tensor_files(ckpt_dir: Path) -> dict[str, Path]:
-    """tensor name -> file holding it."""
+    """tensor name -> file holding it (the index's `weight_map`, or every tensor of the single file)."""
     index = ckpt_dir / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = {name: ckpt_dir / f for name, f in weight_map.items()}
-        absent = sorted({str(f.name) for f in files.values() if not f.is_file()})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {name: ckpt_dir / f for name, f in weight_map.items()}
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptWeightsError(_refetch(f"{index}: no readable `weight_map` ({type(exc).__name__}: "
+                                               f"{exc})")) from None
+        absent = sorted({str(f) for f in files.values() if not f.is_file()})
         if absent:
-            raise CheckpointError(f"{ckpt_dir}: shards {absent} listed in {INDEX_FILE} are missing; re-download "
-                                  f"or re-save the checkpoint")
+            raise CorruptWeightsError(_refetch(f"shard(s) {absent} listed in {index} are missing"))
         return files
     single = ckpt_dir / SINGLE_FILE
     if not single.is_file():
-        raise CheckpointError(f"{ckpt_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    with safe_open(str(single), framework="pt") as f:
+        raise CorruptWeightsError(_refetch(f"{ckpt_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}"))
+    with _open_weights(single) as f:
         return dict.fromkeys(f.keys(), single)
 
 
-def load_checkpoint(path_or_id: str | os.PathLike, *, target=None, device: torch.device | str = "cpu",
-                    dtype: torch.dtype | None = None) -> DSpineDrafter:
-    """Load a drafter; with `target` (a transformers causal LM) validate and attach it.
-
-    dtype: compute dtype (default: the checkpoint's). Raises `CheckpointError` subclasses.
-    """
-    ckpt_dir = resolve_checkpoint_dir(path_or_id)
-    cfg = read_config(ckpt_dir)
+def _saved_dtype(ckpt_dir: Path) -> tuple[str, torch.dtype]:
+    """`(config.json key, dtype)` the checkpoint says its tensors are stored in (float32 when unnamed)."""
     data = json.loads((ckpt_dir / "config.json").read_text())
-    if target is not None:
-        check_target_compatible(cfg, target.config, saved_target=data.get("dspine_target"))
-    dtype_key = "dtype" if "dtype" in data else "torch_dtype"
-    saved_dtype = DTYPES.get(data.get(dtype_key, "float32"), torch.float32)
-    model = DSpineDrafter(cfg)
-    expected = model.state_dict()
+    key = "dtype" if "dtype" in data else "torch_dtype"
+    return key, DTYPES.get(data.get(key, "float32"), torch.float32)
+
+
+def expected_shapes(cfg: DSpineConfig) -> dict[str, tuple[int, ...]]:
+    """tensor name -> shape of a `DSpineDrafter(cfg)` state dict (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        return {name: tuple(t.shape) for name, t in DSpineDrafter(cfg).state_dict().items()}
+
+
+def check_weights(ckpt_dir: Path, cfg: DSpineConfig) -> dict[str, Path]:
+    """Check the weight files of `ckpt_dir` against `cfg` from their headers (no tensor data is
+    read): every file readable and exactly as long as its header says, every tensor the index lists
+    present in its shard, every tensor `cfg` implies present with its shape and the config.json
+    dtype, none other. Returns tensor name -> file; raises CheckpointError subclasses."""
     files = _tensor_files(ckpt_dir)
+    expected = expected_shapes(cfg)
     missing = sorted(set(expected) - set(files))
     if missing:
         raise MissingTensorsError(f"{ckpt_dir}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}. "
@@ -239,21 +267,48 @@ def load_checkpoint(path_or_id: str | os.PathLike, *, target=None, device: torch
         raise UnexpectedTensorsError(f"{ckpt_dir}: unexpected tensors {unexpected[:8]}"
                                      f"{' ...' if len(unexpected) > 8 else ''}: the weights belong to a different "
                                      f"drafter layout than its dspine_config describes")
+    dtype_key, saved_dtype = _saved_dtype(ckpt_dir)
+    for file in sorted(set(files.values())):
+        with _open_weights(file) as f:
+            held = set(f.keys())
+            for name in sorted(n for n, where in files.items() if where == file):
+                if name not in held:
+                    raise CorruptWeightsError(_refetch(f"{ckpt_dir / INDEX_FILE} puts tensor {name} in {file}, "
+                                                       f"which does not hold it"))
+                tensor = f.get_slice(name)
+                shape, dtype = tuple(tensor.get_shape()), tensor.get_dtype()
+                if shape != expected[name]:
+                    raise TensorMismatchError(f"{ckpt_dir}: tensor {name} has shape {shape}, the config implies "
+                                              f"{expected[name]}")
+                if dtype != SAFETENSORS_DTYPES[saved_dtype]:
+                    raise TensorMismatchError(f"{ckpt_dir}: tensor {name} is {dtype} in {file.name}, config.json "
+                                              f"{dtype_key} says {saved_dtype}: re-save the checkpoint in one dtype")
+    return files
+
+
+def load_checkpoint(path_or_id: str | os.PathLike, *, target=None, device: torch.device | str = "cpu",
+                    dtype: torch.dtype | None = None) -> DSpineDrafter:
+    """Load a drafter; with `target` (a transformers causal LM) validate and attach it.
+
+    dtype: compute dtype (default: the checkpoint's). Raises `CheckpointError` subclasses.
+    """
+    ckpt_dir = resolve_checkpoint_dir(path_or_id)
+    cfg = read_config(ckpt_dir)
+    if target is not None:
+        saved_target = json.loads((ckpt_dir / "config.json").read_text()).get("dspine_target")
+        check_target_compatible(cfg, target.config, saved_target=saved_target)
+    files = check_weights(ckpt_dir, cfg)
     state = {}
     for file in sorted(set(files.values())):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                t = f.get_tensor(name)
-                want = expected[name]
-                if tuple(t.shape) != tuple(want.shape):
-                    raise TensorMismatchError(f"{ckpt_dir}: tensor {name} has shape {tuple(t.shape)}, the config "
-                                              f"implies {tuple(want.shape)}")
-                if t.dtype != saved_dtype:
-                    raise TensorMismatchError(f"{ckpt_dir}: tensor {name} is {t.dtype}, config.json {dtype_key} says "
-                                              f"{saved_dtype}: re-save the checkpoint in one dtype")
-                state[name] = t
+        try:
+            with _open_weights(file) as f:
+                for name in (n for n, where in files.items() if where == file):
+                    state[name] = f.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise CorruptWeightsError(_refetch(f"{file}: reading its tensors failed ({exc})")) from None
+    model = DSpineDrafter(cfg)
     model.load_state_dict(state, strict=True)
-    model.to(device=device, dtype=dtype or saved_dtype).eval()
+    model.to(device=device, dtype=dtype or _saved_dtype(ckpt_dir)[1]).eval()
     if target is not None:
         model.attach_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     return model

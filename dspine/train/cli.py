@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from dspine.data.eval_sets import EVAL_SETS
+from dspine.utils import cli_args
 
 
 def add_prompt_folder_arguments(p) -> None:
@@ -24,21 +25,28 @@ def add_prompt_folder_arguments(p) -> None:
 
 
 def cmd_train(args) -> int:
+    """Exit status 0 (exported), 3 (stopped by the time limit; run again to resume) or 2 (a config,
+    data, target or run-directory error, printed as one line naming the file, line or key and the fix)."""
     import torch
 
-    from dspine.train.config import TrainConfig
+    from dspine.engine.targets import TargetLoadError
+    from dspine.train.config import TrainConfig, TrainConfigError
     from dspine.train.trainer import train
 
-    cfg = TrainConfig.from_yaml(args.config, args.set or [], data=args.data, run_dir=args.run_dir, steps=args.steps,
-                                batch_size=args.batch_size, target=args.target)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.profile_steps:
-        from dspine.train.profile import profile_training
+    try:
+        cfg = TrainConfig.from_yaml(args.config, args.set or [], data=args.data, run_dir=args.run_dir,
+                                    steps=args.steps, batch_size=args.batch_size, target=args.target)
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if args.profile_steps:
+            from dspine.train.profile import profile_training
 
-        print(profile_training(cfg, device=device, steps=args.profile_steps))
-        return 0
-    limit = args.time_limit_minutes * 60 if args.time_limit_minutes else None
-    export = train(cfg, device=device, time_limit_s=limit, progress=not args.quiet)
+            print(profile_training(cfg, device=device, steps=args.profile_steps))
+            return 0
+        limit = args.time_limit_minutes * 60 if args.time_limit_minutes else None
+        export = train(cfg, device=device, time_limit_s=limit, progress=not args.quiet)
+    except (TrainConfigError, TargetLoadError) as exc:
+        print(f"dspine train: error: {exc}", file=sys.stderr)
+        return 2
     return 0 if export is not None else 3
 
 
@@ -82,11 +90,12 @@ def add_command(sub) -> None:
     t.add_argument("--target", default=None, help="target to train against (overrides the config's `target`)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a config field, value read as YAML (repeatable): lr=3e-4, drafter.injection_top_k=16")
-    t.add_argument("--steps", type=int)
-    t.add_argument("--batch-size", type=int)
-    t.add_argument("--device", default=None)
-    t.add_argument("--time-limit-minutes", type=float, default=None)
-    t.add_argument("--profile-steps", type=int, default=0, metavar="N",
+    t.add_argument("--steps", type=cli_args.positive_int, help=">= 1 (overrides the config)")
+    t.add_argument("--batch-size", type=cli_args.positive_int, help=">= 1 (overrides the config)")
+    t.add_argument("--device", type=cli_args.device, default=None, help="default: cuda when available, else cpu")
+    t.add_argument("--time-limit-minutes", type=cli_args.positive_float, default=None,
+                   help="> 0: save the state and exit with status 3 after this long (run again to resume)")
+    t.add_argument("--profile-steps", type=cli_args.non_negative_int, default=0, metavar="N",
                    help="profile N steps (after 3 warm-up steps) and print where the time goes; trains nothing")
     t.add_argument("-q", "--quiet", action="store_true")
     t.set_defaults(func=cmd_train)
@@ -107,23 +116,26 @@ def add_gen_data_arguments(p) -> None:
     p.add_argument("--target", default=None, help="target (default: smollm2-135m-instruct)")
     p.add_argument("--out", required=True, help="output JSONL path")
     add_prompt_folder_arguments(p)
-    p.add_argument("--num-prompts", type=int, default=None, help="how many training prompts (default: all)")
-    p.add_argument("--max-prompt-tokens", type=int, default=384)
-    p.add_argument("--max-new-tokens", type=int, default=384)
-    p.add_argument("--batch-size", type=int, default=256,
+    p.add_argument("--num-prompts", type=cli_args.positive_int, default=None,
+                   help="how many training prompts, >= 1 (default: all)")
+    p.add_argument("--max-prompt-tokens", type=cli_args.positive_int, default=384)
+    p.add_argument("--max-new-tokens", type=cli_args.positive_int, default=384)
+    p.add_argument("--batch-size", type=cli_args.positive_int, default=256,
                    help="prompts per generate call (transformers) or per /generate request (--server)")
     p.add_argument("--server", default=None, metavar="URL",
                    help="generate with a running SGLang server of the same target (e.g. http://127.0.0.1:30000); "
                         "--target still names the tokenizer and chat template")
-    p.add_argument("--concurrency", type=int, default=8, help="--server: requests in flight")
-    p.add_argument("--samples-per-prompt", type=int, default=1,
+    p.add_argument("--concurrency", type=cli_args.positive_int, default=8, help="--server: requests in flight")
+    p.add_argument("--samples-per-prompt", type=cli_args.positive_int, default=1,
                    help="sampled answers per prompt (needs --temperature > 0); ids get '#<k>'")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=cli_args.temperature, default=0.0,
                    help="0 = greedy answers (default); > 0 samples them (ids get '#<k>')")
-    p.add_argument("--top-p", type=float, default=1.0, help="sampled answers: nucleus mass (1 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="sampled answers: keep the k likeliest tokens (0 = off)")
+    p.add_argument("--top-p", type=cli_args.top_p, default=1.0,
+                   help="sampled answers: nucleus mass in (0, 1] (1 = off)")
+    p.add_argument("--top-k", type=cli_args.non_negative_int, default=0,
+                   help="sampled answers: keep the k likeliest tokens (0 = off)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--device", type=cli_args.device, default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("-q", "--quiet", action="store_true")
 
@@ -135,16 +147,16 @@ def add_bench_accept_arguments(p) -> None:
     add_prompt_folder_arguments(p)
     p.add_argument("--datasets", nargs="+", default=list(EVAL_SETS), choices=list(EVAL_SETS))
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0], choices=[0.0, 1.0])
-    p.add_argument("--num-prompts", type=int, default=64, help="prompts per dataset")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--num-prompts", type=cli_args.positive_int, default=64, help="prompts per dataset")
+    p.add_argument("--max-new-tokens", type=cli_args.positive_int, default=256)
+    p.add_argument("--batch-size", type=cli_args.positive_int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--device", type=cli_args.device, default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     p.add_argument("--injection-candidates", choices=["per_layer", "first_layer"], default=None,
                    help="override how injecting drafters find candidates (default: as trained); first_layer "
                         "scans the vocabulary once per round instead of once per layer")
-    p.add_argument("--injection-top-k", type=int, default=None, metavar="K",
+    p.add_argument("--injection-top-k", type=cli_args.positive_int, default=None, metavar="K",
                    help="override how many candidates each injection mixes (default: as trained); measures how "
                         "sensitive a trained drafter is to its injection top-k")
     p.add_argument("--selection", choices=["argmax", "transition"], default=None,
@@ -154,7 +166,9 @@ def add_bench_accept_arguments(p) -> None:
                    help="override the transition selection's pair-score weight (default: the checkpoint's)")
     p.add_argument("--check-parity", action="store_true",
                    help="also decode plainly at T=0 and count prompts whose speculative output is identical")
-    p.add_argument("--out", default="benchmarks/results/acceptance_smollm2.json")
+    p.add_argument("--out", default=None, metavar="JSON",
+                   help="result file (its plot goes beside it as .png); default: a new bench_accept_<UTC time>.json "
+                        "in the working directory, so the tracked benchmarks/results/ files change only when named")
     p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                    help="no measuring: join result files written by separate runs (e.g. one drafter per GPU) "
                         "into --out, recompute the summary and redraw the plot")
