@@ -129,3 +129,9 @@ DSPINE_STEP_PROFILE_WINDOWS = _declare("DSPINE_STEP_PROFILE_WINDOWS", (300, 1300
                                        "three comma-separated step counts", _ints(3))
 DSPINE_STEP_PROFILE_PHASES = _declare("DSPINE_STEP_PROFILE_PHASES", 2, "Profile: measured phases (1 or 2).",
                                       "an integer >= 1", _int_at_least(1))
+
+# --- set by torchrun (read by the trainer) ----------------------------------------------------------
+WORLD_SIZE = _declare("WORLD_SIZE", 1, "Processes in a torchrun job (torchrun sets it).", "an integer >= 1",
+                      _int_at_least(1))
+LOCAL_RANK = _declare("LOCAL_RANK", 0, "This process's GPU on its host in a torchrun job (torchrun sets it).",
+                      "an integer >= 0", _int_at_least(0))

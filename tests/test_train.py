@@ -16,8 +16,9 @@ from dspine.train.trainer import train
 def test_block_batch_masks_and_labels():
     recs = [{"ids": list(range(100, 130)), "answer_start": 10}, {"ids": list(range(200, 220)), "answer_start": 5}]
     b = make_block_batch(recs, block_size=4, blocks_per_seq=3, window=6, max_len=64,
-                         generator=torch.Generator().manual_seed(0))
-    assert b.labels.shape == (6, 3) and b.mask.shape == (2, 12, 30 + 12)
+                         generator=torch.Generator().manual_seed(0), length_multiple=16)
+    assert b.input_ids.shape == (2, 32) and not b.valid[0, 30:].any()                   # padded to 2 x 16
+    assert b.labels.shape == (6, 3) and b.mask.shape == (2, 12, 32 + 12)
     for row in range(2):
         for k in range(3):
             a = int(b.anchors[row, k])
@@ -26,10 +27,36 @@ def test_block_batch_masks_and_labels():
             want = [ids[a + j] if a + j < len(ids) else -100 for j in range(1, 4)]
             assert b.labels[row * 3 + k].tolist() == want
             q = k * 4  # first query slot of block k
-            ctx = b.mask[row, q, :30].nonzero().flatten().tolist()
+            ctx = b.mask[row, q, :32].nonzero().flatten().tolist()
             assert ctx == [j for j in range(max(0, a - 6), a) if j < len(ids)]
-            blk = b.mask[row, q, 30:].nonzero().flatten().tolist()
+            blk = b.mask[row, q, 32:].nonzero().flatten().tolist()
             assert blk == list(range(k * 4, k * 4 + 4))
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen3"])
+def test_target_hidden_runs_only_the_needed_layers_and_equals_output_hidden_states(which):
+    from conftest import tiny_llama, tiny_qwen3
+
+    from dspine.train.trainer import target_hidden
+
+    target = tiny_llama() if which == "llama" else tiny_qwen3()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 256, (3, 20), generator=g)
+    valid = torch.arange(20)[None] < torch.tensor([20, 13, 7])[:, None]       # right-padded
+    ids = ids.masked_fill(~valid, 0)
+    with torch.no_grad():
+        full = target(input_ids=ids, attention_mask=valid.long(), output_hidden_states=True).hidden_states
+    runs = {"deeper": 0, "lm_head": 0}
+    target.model.layers[4].register_forward_hook(lambda *_: runs.__setitem__("deeper", runs["deeper"] + 1))
+    target.lm_head.register_forward_hook(lambda *_: runs.__setitem__("lm_head", runs["lm_head"] + 1))
+    hooks = [len(layer._forward_hooks) for layer in target.model.layers]
+    for layer_ids in ([0, 3, 1], [2, 5]):                # the last layer's states are after the final norm
+        got = target_hidden(target, ids, layer_ids)
+        want = torch.cat([full[i + 1] for i in layer_ids], dim=-1)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5)
+    assert runs == {"deeper": 1, "lm_head": 0}          # layer 4 ran for [2, 5] only; lm_head never
+    assert [len(layer._forward_hooks) for layer in target.model.layers] == hooks   # its own hooks are gone
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +153,11 @@ def test_train_config_types_defaults_and_overrides(tmp_path):
 
     from dspine.train.config import TrainConfig, TrainConfigError, config_path, packaged_configs
 
-    assert set(packaged_configs()) >= {"smollm2-dspine", "smollm2-ablation"}
+    assert set(packaged_configs()) >= {"smollm2-dspine", "smollm2-ablation", "qwen3-8b-dspine"}
     for name in packaged_configs():  # the defaults are what ships: every shipped value equals its default
         shipped = yaml.safe_load(config_path(name).read_text())
         defaults = TrainConfig(data="d", run_dir="r")
-        differing = {k: v for k, v in shipped.items() if k not in ("data", "run_dir", "drafter")
+        differing = {k: v for k, v in shipped.items() if k not in ("data", "run_dir", "target", "drafter")
                      and getattr(defaults, k) != v}
         assert differing == {}, (name, differing)
     path = tmp_path / "c.yaml"
@@ -143,7 +170,8 @@ def test_train_config_types_defaults_and_overrides(tmp_path):
                           ("steps: 1.5", "steps = 1.5: expected int"),
                           ("lrr: 1", r"unknown key\(s\) \['lrr'\]; valid keys: data, run_dir"),
                           ("drafter: {injection: 1}", "drafter.injection = 1: expected bool"),
-                          ("drafter: {block: 4}", r"drafter: unknown key\(s\) \['block'\]")):
+                          ("drafter: {block: 4}", r"drafter: unknown key\(s\) \['block'\]"),
+                          ("grad_accum_steps: 0", "grad_accum_steps = 0: must be >= 1")):
         path.write_text("data: d\nrun_dir: r\n" + text + "\n")
         with pytest.raises(TrainConfigError, match=message):
             TrainConfig.from_yaml(path)
@@ -182,3 +210,28 @@ def test_train_checks_data_and_target_before_loading_it(tmp_path, tiny_target_di
                                                f"{str(tiny_target_dir)!r}.*dspine gen-data --target"):
         train(cfg, device="cpu", progress=False)
     assert not (tmp_path / "run" / "train_config.json").exists()
+
+
+def test_throughput_benchmark_writes_its_figures(tmp_path):
+    """The benchmark's main on CPU with a tiny random target: a table and JSON with the command,
+    device, date, torch version and per-variant figures; baseline and new agree on the first loss."""
+    from transformers import LlamaConfig
+
+    from dspine.bench.train_throughput import main
+
+    LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=True).save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "bench.json"
+    argv = ["--variants", "smollm2:baseline:b32x16", "smollm2:new:b32x16", "--target",
+            f"smollm2=random:{tmp_path / 'tiny'}", "--max-len", "32", "--batch-size", "2", "--warmup", "1",
+            "--steps", "1", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["command"].startswith("python -m dspine.bench.train_throughput --variants")
+    assert report["device"] == "cpu" and report["torch"] == torch.__version__ and report["date"][:2] == "20"
+    assert set(report["variants"]) == {"smollm2:baseline:b2x16", "smollm2:new:b2x16"}
+    for name, figures in report["variants"].items():
+        assert figures["label_tokens_per_s"] > 0 and figures["step_seconds"] > 0, name
+        assert figures["mfu"] is None and figures["peak_memory_gib"] is None and figures["batch_size"] == 2
+    base, new = (report["variants"][n]["first_step_terms"] for n in ("smollm2:baseline:b2x16", "smollm2:new:b2x16"))
+    assert base.keys() == new.keys() and all(abs(base[k] - new[k]) < 1e-3 for k in base)

@@ -242,8 +242,9 @@ def table(results: dict) -> str:
 
 
 def plot(results: dict, out_dir: Path, stem: str) -> Path | None:
-    """`stem`.png: accept length (top) and tok/s / AR (bottom) per workload and config, one column
-    per concurrency; None (with a note) without matplotlib."""
+    """`stem`.png: accept length (top) and tok/s / AR (bottom; plain tok/s when AR was not measured)
+    per workload and config, one column per concurrency; None (with a note) without matplotlib or
+    without runs."""
     try:
         import matplotlib
 
@@ -253,7 +254,11 @@ def plot(results: dict, out_dir: Path, stem: str) -> Path | None:
         print("matplotlib missing: no plot; run `--report-only` where it is installed", flush=True)
         return None
     runs = {(r["config"], r["workload"], r["concurrency"]): r for r in results["runs"]}
+    if not runs:
+        print("no runs measured: no plot", flush=True)
+        return None
     levels = sorted({k[2] for k in runs})
+    has_ar = any(k[0] == "AR" for k in runs)
     workloads = list(dict.fromkeys(k[1] for k in runs))
     configs = [c for c in CONFIGS if any(k[0] == c for k in runs)]
     fig, axes = plt.subplots(2, len(levels), figsize=(5 * len(levels), 7), squeeze=False)
@@ -263,10 +268,12 @@ def plot(results: dict, out_dir: Path, stem: str) -> Path | None:
         r, ar = runs[(name, workload, c)], runs.get(("AR", workload, c))
         if row == 0:
             return r["accept_len"]
+        if not has_ar:
+            return r["output_tok_per_s"]
         return r["output_tok_per_s"] / ar["output_tok_per_s"] if ar else float("nan")
 
     for col, c in enumerate(levels):
-        for row, label in enumerate(("accept length", "output tok/s / AR")):
+        for row, label in enumerate(("accept length", "output tok/s / AR" if has_ar else "output tok/s (no AR run)")):
             ax = axes[row][col]
             for i, name in enumerate(configs):
                 at = [j for j, w in enumerate(workloads) if (name, w, c) in runs]

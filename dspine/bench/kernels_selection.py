@@ -1,5 +1,6 @@
 """Kernel benchmark, selection cases: the transition-path kernel, the top-k of the draft logits (its
-knobs swept) and the whole `select_tokens`, each Triton vs the PyTorch path."""
+knobs swept), the whole `select_tokens` and the copy candidates' suffix match, each Triton vs the
+PyTorch path."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from dspine.bench.kernels_harness import Run
 from dspine.kernels import dispatch
 from dspine.kernels.logits_topk import logits_topk, logits_topk_reference, topk_grid
+from dspine.kernels.suffix_match import suffix_match, suffix_match_reference
 from dspine.kernels.transition_select import transition_path, transition_path_reference
 from dspine.model.selection import select_tokens
 from dspine.model.transition import TransitionScorer
@@ -96,3 +98,22 @@ def selection_cases(run: Run, shape_name: str, shape: dict, bs: int) -> None:
         # What the ablation's selection costs (argmax of the same logits): select_tokens minus this
         # is what transition selection adds to a round.
         run.details["argmax_ms"][f"{shape_name}/bs{bs}"] = run.bench_ms(lambda: logits.argmax(-1), inner=inner)
+    suffix_match_case(run, shape_name, bs)
+
+
+def suffix_match_case(run: Run, shape_name: str, bs: int) -> None:
+    """The copy candidates' suffix match over an 8k-token history window (512 in the smoke run),
+    each row half a copy of its first half (matches run to max_match); goal: <= 0.05 ms at bs 1."""
+    cfg, device = run.cfg, run.cfg.device
+    g = torch.Generator(device=device).manual_seed(bs + 7)
+    window, n = (512 if cfg.smoke else 8192), cfg.block - 1
+    history = torch.randint(0, 50000, (bs, window), generator=g, device=device)
+    history[:, window // 2:] = history[:, : window - window // 2]
+    lengths = torch.full((bs,), window, device=device)
+    args = dict(n=n, min_match=2, max_match=32, max_span=n, window=window)
+    got, want = suffix_match(history, lengths, **args), suffix_match_reference(history, lengths, **args)
+    run.details["correctness"].append({"kernel": "suffix_match", "shape": shape_name, "bs": bs,
+                                       "ok": bool(torch.equal(got[0], want[0])) and bool(torch.equal(got[1], want[1]))})
+    run.measure("suffix_match", shape_name, bs, lambda: suffix_match(history, lengths, **args),
+                lambda: suffix_match_reference(history, lengths, **args), 1 if cfg.smoke else 20,
+                history.numel() * history.element_size() + bs * (n + 1) * 8)

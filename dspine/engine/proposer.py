@@ -2,7 +2,8 @@
 
 A proposer follows the committed sequence of every row: `start` with the prompt (tokens and the
 target's hidden states), `extend` with each round's committed tokens, `select` when rows leave,
-and `propose` a block's N = B-1 tokens after the row's anchor.
+and `propose` a block's N = B-1 tokens after the row's anchor. With `copy_candidates` on,
+`DSpineProposer` also keeps each row's recent tokens (`TokenHistory`), whose copies join the lattice.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from dspine.model.copy_candidates import CopyTables, TokenHistory, copy_candidates
 from dspine.model.drafter import DSpineDrafter
 from dspine.engine.slots import compact_order, gather_slots
 from dspine.model.selection import select_tokens
@@ -46,7 +48,9 @@ class Proposer(Protocol):
 
 
 class DSpineProposer:
-    """Per-layer context K/V cache (right-padded slots + validity, positions) and one-block drafting."""
+    """Per-layer context K/V cache (right-padded slots + validity, positions) and one-block drafting;
+    with `copy_candidates`, each row's last `copy_history_window - 1` committed tokens too (the
+    anchor completes the window)."""
 
     def __init__(self, model: DSpineDrafter):
         self.model = model
@@ -59,6 +63,10 @@ class DSpineProposer:
             self.successors = SuccessorTable(model.config.vocab_size, model.config.successor_table_size, device)
         self.kv: list[tuple[Tensor, Tensor]] = []
         self.positions = self.valid = self.lengths = None
+        self.copy_tables: CopyTables | None = None
+        self.history: TokenHistory | None = None
+        if model.config.copy_candidates:
+            self.copy_tables = CopyTables.from_config(model.config, model.fc.weight.device)
 
     @torch.no_grad()
     def start(self, tokens: Tensor, hidden: Tensor, lengths: Tensor) -> None:
@@ -67,6 +75,8 @@ class DSpineProposer:
         self.valid = self.positions < lengths[:, None]
         self.lengths = lengths.clone()
         self.kv = self.model.context_key_values(self.model.project_context(hidden), self.positions)
+        if self.copy_tables is not None:
+            self.history = TokenHistory(tokens, lengths, self.config.copy_history_window - 1)
         self._compact()
 
     @torch.no_grad()
@@ -78,11 +88,15 @@ class DSpineProposer:
         self.positions = torch.cat([self.positions, pos], 1)
         self.valid = torch.cat([self.valid, torch.arange(q, device=tokens.device)[None] < keep[:, None]], 1)
         self.lengths = self.lengths + keep
+        if self.history is not None:
+            self.history.extend(tokens, keep)
         self._compact()
 
     def select(self, rows: Tensor) -> None:
         self.kv = [(k[rows], v[rows]) for k, v in self.kv]
         self.positions, self.valid, self.lengths = self.positions[rows], self.valid[rows], self.lengths[rows]
+        if self.history is not None:
+            self.history.select(rows)
         self._compact()
 
     def _compact(self) -> None:
@@ -104,9 +118,13 @@ class DSpineProposer:
         mask = torch.cat([ctx_mask, torch.ones(bs, blk, blk, dtype=torch.bool, device=anchor_ids.device)], 2)
         hidden = model(anchor_ids[:, None], positions, self.kv, mask).hidden          # [bs, B, H]
         logits = model.logits(hidden[:, 1:])                                            # [bs, N, V]
+        copies = None
+        if self.history is not None:
+            history, lengths = self.history.with_anchor(anchor_ids)
+            copies = copy_candidates(history, lengths, cfg, self.copy_tables, blk - 1)
         sel = select_tokens(logits, anchor_ids, temperature, mode=cfg.selection, top_k=cfg.selection_top_k,
                             lam=cfg.transition_lambda, scorer=model.transition, table=model.transfer_table(),
-                            successors=self.successors, generator=generator)
+                            successors=self.successors, generator=generator, copies=copies)
         conf = model.confidence_logits(hidden[:, 1:])
         return Proposal(tokens=sel.tokens, cand_ids=sel.cand_ids, q=sel.q,
                         confidence=None if conf is None else torch.sigmoid(conf.float()))

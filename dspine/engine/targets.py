@@ -11,6 +11,12 @@
 * an existing local directory: any `AutoModelForCausalLM` checkpoint with its tokenizer.
 * anything else: a Hugging Face hub id, resolved through `huggingface_hub.snapshot_download`
   (local hub cache first). Offline, an uncached id raises `TargetLoadError`.
+
+`load_random_target("random:SHAPE")` builds a target of a known shape (`RANDOM_SHAPES`:
+`random:smollm2-135m`, `random:qwen3-8b`) or of any `config.json` (`random:PATH`, the file or its
+directory) with random weights and no checkpoint: throughput and memory measurements of training.
+`load_target_config` and `target_identity` accept these specs too; a random target of a real
+target's shape has that target's fingerprint.
 """
 
 from __future__ import annotations
@@ -108,11 +114,64 @@ def target_dir(spec: str | None = None) -> Path:
 
 def load_target_config(spec: str | None = None):
     """The transformers config of target `spec`, without its weights (enough for `target_identity`)."""
+    if is_random_target(spec):
+        return random_target_config(spec)
     path = target_dir(spec)
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise TargetLoadError(f"target {spec!r} ({path}) has no loadable config.json: {e}") from e
+
+
+RANDOM_PREFIX = "random:"
+# Configs of known targets (their IDENTITY_FIELDS as the real checkpoints have them), and a mask
+# token id for each: SmolLM2's `<empty_output>`, Qwen3's `<|vision_pad|>`.
+RANDOM_SHAPES: dict[str, dict] = {
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0,
+                         max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=2),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                     max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645),
+}
+RANDOM_MASK_TOKENS = {"smollm2-135m": 16, "qwen3-8b": 151654}
+
+
+def is_random_target(spec: str | None) -> bool:
+    return bool(spec) and spec.startswith(RANDOM_PREFIX)
+
+
+def random_target_config(spec: str):
+    """The transformers config of `random:NAME` (a `RANDOM_SHAPES` entry) or `random:PATH` (a
+    config.json or a directory holding one); TargetLoadError naming the choices otherwise."""
+    name = spec.removeprefix(RANDOM_PREFIX)
+    if name in RANDOM_SHAPES:
+        fields = dict(RANDOM_SHAPES[name])
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    path = Path(name).expanduser()
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise TargetLoadError(f"target {spec!r}: {name!r} is neither a known shape ({', '.join(RANDOM_SHAPES)}) "
+                              f"nor a config.json or a directory holding one")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise TargetLoadError(f"target {spec!r}: {path} is not a loadable config.json: {e}") from e
+
+
+def load_random_target(spec: str, *, dtype: torch.dtype = torch.float32,
+                       device: str | torch.device = "cpu") -> tuple[PreTrainedModel, int]:
+    """`(model, mask token id)` for `random:...` (`random_target_config`): built directly on `device` in
+    `dtype` with transformers' own random initialisation (seeded by the global torch seed), frozen,
+    in eval mode. The mask id is the known shape's, else vocab_size - 1 (any id serves random weights)."""
+    config = random_target_config(spec)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval().requires_grad_(False)
+    name = spec.removeprefix(RANDOM_PREFIX)
+    return model, RANDOM_MASK_TOKENS.get(name, config.vocab_size - 1)
 
 
 def load_tokenizer(spec: str | None = None) -> tuple[PreTrainedTokenizerBase, list[int]]:

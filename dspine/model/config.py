@@ -8,10 +8,43 @@ message that names the field and the fix.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 SELECTION_MODES = ("transition", "argmax")
 INJECTION_CANDIDATE_MODES = ("per_layer", "first_layer")
+COPY_SCORE_MODES = ("mixture", "logit")  # how a copy token's log-odds enter its score (`selection.copy_scores`)
+# Copy-score tables (`dspine.model.copy_candidates`): log-odds that a copy token is the target's next
+# token, by match-length bucket (rows; lower edges below) and slot (columns; the last serves later
+# slots). Fitted with `python -m dspine.model.copy_candidates --recorded` (prior 8) on 1,064 recorded
+# assistant messages (258k tokens, SmolLM2 tokenizer, window 8192, matches counted up to 32): all
+# ToolTalk conversations (`data.dev_traces.tooltalk_requests`), the first 400 ShareGPT conversations
+# (`sharegpt_requests(iter_sharegpt())`) and the BFCL dev traces.
+DEFAULT_COPY_MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+DEFAULT_COPY_FOLLOW_LOG_ODDS = (
+    (-1.36, -0.18, 0.22, 0.55, 0.67, 0.89, 1.08, 1.13, 1.37, 1.50, 1.50, 1.55, 1.49, 1.23, 2.02),
+    (-0.29, 0.14, 0.55, 0.72, 0.98, 1.16, 1.25, 1.51, 1.61, 1.64, 1.76, 1.66, 1.52, 1.88, 2.13),
+    (0.17, 0.47, 0.75, 0.99, 1.18, 1.24, 1.51, 1.67, 1.63, 1.80, 1.81, 1.75, 2.09, 2.17, 1.94),
+    (0.54, 0.83, 1.05, 1.23, 1.39, 1.60, 1.68, 1.73, 1.86, 1.83, 1.91, 2.12, 2.04, 1.94, 2.00),
+    (0.99, 1.16, 1.37, 1.60, 1.65, 1.74, 1.84, 1.80, 1.90, 2.10, 2.05, 1.98, 2.06, 2.28, 2.39),
+    (1.41, 1.60, 1.71, 1.74, 1.86, 1.93, 1.96, 2.04, 2.06, 2.11, 2.20, 2.29, 2.51, 2.52, 2.63),
+    (1.82, 1.89, 1.93, 2.04, 2.05, 2.11, 2.20, 2.31, 2.46, 2.48, 2.58, 2.48, 2.50, 2.56, 2.56),
+    (2.13, 2.20, 2.29, 2.35, 2.46, 2.46, 2.54, 2.62, 2.62, 2.67, 2.70, 2.86, 2.92, 2.97, 3.00),
+    (2.48, 2.56, 2.60, 2.80, 2.83, 2.91, 2.93, 2.83, 2.85, 2.87, 2.85, 2.92, 2.86, 2.90, 2.91),
+    (3.52, 3.56, 3.60, 3.63, 3.63, 3.67, 3.71, 3.79, 3.82, 3.85, 3.90, 3.90, 3.92, 3.95, 3.99),
+)
+DEFAULT_COPY_REENTER_LOG_ODDS = (
+    (-1.36, -2.97, -3.48, -3.61, -3.78, -3.91, -3.96, -4.06, -4.13, -4.13, -4.10, -4.15, -4.18, -4.19, -4.17),
+    (-0.29, -2.20, -2.84, -3.08, -3.32, -3.48, -3.62, -3.60, -3.78, -3.83, -3.86, -3.84, -3.89, -3.95, -3.98),
+    (0.17, -2.02, -2.51, -2.85, -3.11, -3.28, -3.31, -3.45, -3.55, -3.55, -3.59, -3.62, -3.73, -3.81, -3.78),
+    (0.54, -1.71, -2.34, -2.68, -2.87, -3.04, -3.17, -3.25, -3.37, -3.37, -3.41, -3.48, -3.57, -3.60, -3.65),
+    (0.99, -1.58, -2.11, -2.31, -2.60, -2.82, -2.97, -3.02, -3.08, -3.06, -3.25, -3.25, -3.33, -3.48, -3.58),
+    (1.41, -1.43, -1.98, -2.28, -2.51, -2.65, -2.72, -2.84, -2.86, -3.00, -3.07, -3.10, -3.27, -3.25, -3.36),
+    (1.82, -1.24, -1.61, -1.96, -2.10, -2.38, -2.42, -2.56, -2.80, -2.84, -2.93, -3.18, -3.27, -3.33, -3.39),
+    (2.13, -0.96, -1.46, -1.96, -2.25, -2.33, -2.50, -2.78, -2.95, -3.00, -3.16, -3.25, -3.29, -3.42, -3.50),
+    (2.48, -1.46, -2.08, -2.17, -2.51, -2.79, -3.07, -3.03, -3.00, -2.84, -2.93, -2.98, -2.97, -2.94, -3.03),
+    (3.52, -1.46, -1.79, -2.05, -2.20, -2.25, -2.46, -2.64, -2.77, -2.85, -2.95, -3.10, -3.19, -3.25, -3.31),
+)
 
 
 class ConfigError(ValueError):
@@ -71,6 +104,21 @@ class DSpineConfig:
     # the final CE about 2:1 and cost position-1 acceptance (docs/training.md).
     layer_loss_weights: list[float] = field(default_factory=lambda: [0.1, 0.08, 0.06, 0.04, 0.02])
     confidence_head: bool = True
+    # Copy candidates (dspine.model.copy_candidates): the continuation of the longest earlier match of
+    # the history's suffix (>= copy_min_match tokens, counted up to copy_max_match, in the last
+    # copy_history_window tokens) joins each slot's candidates, for up to copy_max_span slots (None:
+    # every proposal slot). Off until measured on the serving workloads.
+    copy_candidates: bool = False
+    copy_min_match: int = 2
+    copy_max_match: int = 32
+    copy_max_span: int | None = None
+    copy_history_window: int = 8192
+    copy_score: str = "mixture"
+    copy_match_buckets: list[int] = field(default_factory=lambda: list(DEFAULT_COPY_MATCH_BUCKETS))
+    copy_follow_log_odds: list[list[float]] = field(
+        default_factory=lambda: [list(row) for row in DEFAULT_COPY_FOLLOW_LOG_ODDS])
+    copy_reenter_log_odds: list[list[float]] = field(
+        default_factory=lambda: [list(row) for row in DEFAULT_COPY_REENTER_LOG_ODDS])
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -108,6 +156,32 @@ class DSpineConfig:
              f"must be >= block_size={self.block_size}: the window has to hold a whole block")
         need(len(self.layer_loss_weights) == self.num_hidden_layers, "layer_loss_weights",
              f"needs one weight per draft layer ({self.num_hidden_layers})")
+        self._check_copy(need)
+
+    def _check_copy(self, need) -> None:
+        need(self.copy_min_match >= 1, "copy_min_match", "must be >= 1 (the anchor alone is a 1-token match)")
+        need(self.copy_max_match >= self.copy_min_match, "copy_max_match",
+             f"must be >= copy_min_match={self.copy_min_match}")
+        need(self.copy_max_span is None or 1 <= self.copy_max_span <= self.block_size - 1, "copy_max_span",
+             f"must lie in [1, block_size - 1 = {self.block_size - 1}] (or be None: every proposal slot)")
+        need(self.copy_history_window > self.copy_min_match, "copy_history_window",
+             f"must exceed copy_min_match={self.copy_min_match}: the suffix and an earlier match need room")
+        need(self.copy_score in COPY_SCORE_MODES, "copy_score", f"must be one of {COPY_SCORE_MODES}")
+        edges = self.copy_match_buckets
+        need(len(edges) >= 1 and all(isinstance(e, int) and e >= 1 for e in edges)
+             and all(a < b for a, b in zip(edges, edges[1:])), "copy_match_buckets",
+             "must be ascending positive integers (the lower edges of the match-length buckets)")
+        for name in ("copy_follow_log_odds", "copy_reenter_log_odds"):
+            table = getattr(self, name)
+            need(len(table) == len(edges) and all(len(row) == len(table[0]) >= 1 for row in table), name,
+                 f"must be a table of {len(edges)} rows (one per copy_match_buckets entry) of equal length >= 1")
+            need(all(isinstance(v, (int, float)) and math.isfinite(v) for row in table for v in row), name,
+                 "must hold finite numbers (log-odds)")
+        if self.copy_candidates:
+            need(self.selection == "transition", "copy_candidates",
+                 "needs selection = 'transition': copy tokens join the transition lattice")
+            need(self.selection_top_k < self.vocab_size, "selection_top_k",
+                 f"must be < vocab_size={self.vocab_size} with copy_candidates (the lattice holds K+1 ids a slot)")
 
     @property
     def num_context_features(self) -> int:

@@ -214,3 +214,10 @@ def commit_mamba_states_after_verify(target_worker: Any, batch: Any, *, accept_l
     from sglang.srt.speculative import spec_utils
 
     spec_utils.commit_mamba_states_after_verify(target_worker, batch, accept_lens, accept_index, draft_token_num)
+
+
+def request_fill_ids(req: Any) -> Any:
+    """A request's tokens so far (prompt, plus output after a retraction): 0.5.17+'s `get_fill_ids()`,
+    earlier versions' `fill_ids`."""
+    getter = getattr(req, "get_fill_ids", None)
+    return getter() if callable(getter) else req.fill_ids

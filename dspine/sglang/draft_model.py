@@ -33,6 +33,11 @@ What DSpine adds, and only here:
   functions the reference drafter's `select_tokens` runs, so tokens and q equal it. SGLang 0.5.17
   has no seam: the worker folds the same functions into the draft graph through its own sampler
   (`dspine_worker_v2.py`).
+- **Copy candidates** (`dspine_config.copy_candidates`): with the worker's `SlotTokenHistory`
+  attached, `propose` adds to each slot the token that copying the request's own context predicts
+  there (`model.copy_candidates`: suffix match, calibrated scores) and walks the K+1-candidate
+  lattice of `selection.lattice_with_copies`, in the draft graph like the rest (TP 1; SGLang
+  versions without the selector seam).
 - **Strict weights**: `load_weights` maps and loads every tensor of the checkpoint
   (`draft_weights.py`: Qwen3-style names, q/k/v and gate/up stacked) and raises naming every
   unexpected tensor and every parameter left unloaded.
@@ -57,7 +62,8 @@ from sglang.srt.models.dflash import DFlashDraftModel as _DFlashDraftModel
 from torch import Tensor, nn
 
 from dspine.model.config import ConfigError
-from dspine.model.selection import candidate_topk, lattice_scores, walk_lattice
+from dspine.model.copy_candidates import CopyTables, copy_candidates
+from dspine.model.selection import candidate_topk, lattice_scores, lattice_with_copies, walk_lattice
 from dspine.model.transfer import AdjacentInjection, TransferSpace
 from dspine.model.transition import TransitionScorer
 from dspine.sglang import compat
@@ -188,7 +194,7 @@ class DSpineDraftModel(_DFlashDraftModel):
         # Target tensors are referenced, never registered (not part of this model's weights).
         self.__dict__.update(_target_head=None, _tp_group=None, _table=None, _table_key=None, _served=False,
                              _weights_loaded=False, _sglang_candidate_topk=compat.sglang_candidate_topk(),
-                             _confidence_buf=None)
+                             _confidence_buf=None, _history=None, _copy_tables=None)
         self._warn_if_window_differs()
 
     # ------------------------------------------------------------------------ block size
@@ -297,10 +303,42 @@ class DSpineDraftModel(_DFlashDraftModel):
         start = int(shard.org_vocab_start_index) if shard is not None else 0
         return global_topk(hidden, weight, k, num_org=num_org, org_start=start, tp_size=tp_size, all_gather=all_gather)
 
+    def attach_token_history(self, history) -> None:
+        """Turn on copy candidates: `history` (`token_history.SlotTokenHistory`) holds every running
+        request's tokens, and its `rows`/`lengths` point at the step's requests before the draft
+        runs. Call before graph capture. One tensor-parallel rank only (the copy path scores the
+        whole vocabulary through the unsharded head)."""
+        if self._tp()[0] != 1:
+            raise NotImplementedError("DSpine copy candidates run at tensor parallel size 1; serve with --tp 1 or a "
+                                      "drafter config with copy_candidates false")
+        device = self.target_head.weight.device
+        self.__dict__.update(_history=history, _copy_tables=CopyTables.from_config(self.dspine_config, device))
+
+    def _propose_with_copies(self, pred_hidden: Tensor, anchor_ids: Tensor, temperature: Tensor,
+                             uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`propose` with copy candidates from the attached history: the lattice of
+        `selection.lattice_with_copies` over full-vocabulary draft logits (K+1 candidates a slot)."""
+        n, gamma, hidden = pred_hidden.shape
+        flat = pred_hidden.reshape(-1, hidden)
+        self.record_confidence(flat)
+        cfg = self.dspine_config
+        weight = self.target_head.weight[: cfg.vocab_size]
+        logits = (flat.to(weight.dtype) @ weight.T).view(n, gamma, -1)
+        recent, lengths = self._history.window_rows(n)
+        copies = copy_candidates(recent, lengths, cfg, self._copy_tables, gamma)
+        unary, ids, pair = lattice_with_copies(logits, anchor_ids, copies, top_k=cfg.selection_top_k,
+                                               lam=cfg.transition_lambda, scorer=self.transition,
+                                               table=self.transfer_table())
+        tokens, q = walk_lattice(ids, unary[:, :, None, :] + pair, temperature, uniforms)
+        return tokens, ids, q
+
     def propose(self, pred_hidden: Tensor, anchor_ids: Tensor, temperature: Tensor,
                 uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Transition selection for n blocks: pred_hidden [n, N-1, H] (slots 1..N-1), anchors [n],
-        temperature [n] (<= 0: Viterbi), uniforms [n, N-1] -> (tokens, candidate ids, q)."""
+        temperature [n] (<= 0: Viterbi), uniforms [n, N-1] -> (tokens, candidate ids, q); with
+        copy candidates (`attach_token_history`) the lattice has K+1 candidates a slot."""
+        if self._history is not None:
+            return self._propose_with_copies(pred_hidden, anchor_ids, temperature, uniforms)
         n, gamma, hidden = pred_hidden.shape
         ids, unary = self.compute_candidates(pred_hidden.reshape(-1, hidden))
         ids, unary = ids.view(n, gamma, -1), unary.view(n, gamma, -1)

@@ -38,6 +38,10 @@ injection); this worker only overrides the smallest seams around it:
   request's expected acceptance. A forced switch file (`{"force": "plain", "plain_tokens": K}` or
   `{"force": "draft"}`) makes every step one kind (K-token plain steps: to measure the plain-step table). Not with
   grammar-constrained batches (they draft) nor hybrid ReplaySSM targets (refused at start).
+- Copy candidates (`dspine_config.copy_candidates`; SGLang 0.5.17): a `SlotTokenHistory` keeps
+  every request's tokens on the device, written at prefill (the last window of the prompt, one
+  host-to-device copy per prefill batch) and after every decode step (the committed tokens, on the
+  step's stream); before a step its rows and lengths are pointed at the batch for the draft graph.
 - Step clock (`dspine.sglang.step_clock`; with `SGLANG_RECORD_STEP_TIME=1`): the host time of each
   call, so the period of consecutive decode steps is booked per kind (draft, plain) and batch size,
   prefills excluded; `/server_info` carries the totals for `dspine tune-sps`.
@@ -66,6 +70,7 @@ from dspine.dynamic.switch import ServingSwitch, SwitchConfig
 from dspine.sglang import compat, step_clock
 from dspine.sglang.draft_model import DSpineDraftModel
 from dspine.sglang.plain_step import PlainStep, tag_verify_tokens
+from dspine.sglang.token_history import SlotTokenHistory
 from dspine.serve.flags import FlagError, check_switch_target, resolve_step_switch
 
 logger = logging.getLogger(__name__)
@@ -186,6 +191,7 @@ class DSpineWorkerV2(DFlashWorkerV2):
     _plain_step: Optional[PlainStep] = None
     _plain_tokens: Optional[int] = None
     _record_steps = False
+    _history: Optional[SlotTokenHistory] = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -234,8 +240,30 @@ class DSpineWorkerV2(DFlashWorkerV2):
                     model.dspine_config.selection, model.dspine_config.injection, model.block_size,
                     int(getattr(compat.tp_group(), "world_size", 1)), compat.has_selector_seam())
 
+    def _attach_token_history(self) -> None:
+        """Copy candidates (`dspine_config.copy_candidates`): keep every request's tokens on the
+        device (`SlotTokenHistory`, rows of SGLang's req_to_token pool) for the draft model."""
+        cfg = self.draft_model.dspine_config
+        if not cfg.copy_candidates:
+            return
+        if compat.has_selector_seam():
+            raise FlagError(f"DSpine copy candidates are not wired into SGLang {compat.sglang_version()}'s DFlash selector "
+                            "seam yet (they run on 0.5.17). Fix: serve with a drafter config with copy_candidates "
+                            "false, or SGLang 0.5.17")
+        pool = self.target_worker.model_runner.req_to_token_pool.req_to_token
+        requests = compat.server_args_value(self.server_args, "max_running_requests") or 0
+        self._history = SlotTokenHistory(pool_rows=int(pool.shape[0]), max_context_len=int(pool.shape[1]),
+                                         block_size=int(self.block_size), window=cfg.copy_history_window,
+                                         max_bs=max(int(requests), int(pool.shape[0]), compat.decode_graph_max_bs()),
+                                         device=pool.device)
+        self.draft_model.attach_token_history(self._history)
+        logger.info("DSPINE copy candidates on: suffix match over the last %d tokens of each request (match %d..%d "
+                    "tokens, %s scores).", cfg.copy_history_window, cfg.copy_min_match, cfg.copy_max_match,
+                    cfg.copy_score)
+
     # ------------------------------------------------------------------------ speculation switch
     def init_cuda_graphs(self):
+        self._attach_token_history()      # SGLang's request pool exists by now; the draft graph reads the history
         super().init_cuda_graphs()
         if self._step_policy in ("dynamic", "plain"):
             check_switch_target(self._step_policy, self._need_mamba_verify_commit)
@@ -286,6 +314,21 @@ class DSpineWorkerV2(DFlashWorkerV2):
         return self.draft_model.candidate_selector is not None and not compat.has_selector_seam()
 
     def forward_batch_generation(self, batch, *args, **kwargs):
+        if self._history is None:
+            return self._forward_step(batch, *args, **kwargs)
+        history, verify_step = self._history, _is_verify_step(batch)
+        if verify_step:   # the anchor sits at position seq_lens; the step commits after it
+            slots, prefix = batch.req_pool_indices.clone(), batch.seq_lens.clone()
+            history.prepare_draft(slots, prefix)
+        result = self._forward_step(batch, *args, **kwargs)
+        if verify_step:
+            history.write_committed(slots, prefix, result.next_token_ids.view(len(batch.reqs), -1))
+        elif batch.forward_mode.is_extend() or getattr(batch, "is_extend_in_batch", False):
+            history.write_prefill(batch.req_pool_indices, [compat.request_fill_ids(r) for r in batch.reqs],
+                                  result.next_token_ids)
+        return result
+
+    def _forward_step(self, batch, *args, **kwargs):
         started = time.perf_counter() if self._record_steps else 0.0
         self.draft_model.ensure_transfer_table(serving=True)
         verify_step = _is_verify_step(batch)

@@ -17,8 +17,9 @@ from torch import Tensor
 @dataclass
 class BlockBatch:
     """input_ids/valid: [bs, L] right-padded sequences; anchors: [bs, nb] anchor positions;
-    anchor_ids: [bs, nb]; block_positions: [bs, nb·B]; labels: [bs·nb, B-1] (-100 = ignore);
-    mask: [bs, nb·B, L + nb·B] bool draft attention mask."""
+    anchor_ids: [bs, nb]; block_positions: [bs, nb·B]; labels: [bs·nb, B-1] (-100 = ignore).
+    `mask` ([bs, nb·B, L + nb·B] bool draft attention mask) is built where the batch lives, so a
+    batch moves to the device as these small tensors."""
 
     input_ids: Tensor
     valid: Tensor
@@ -26,23 +27,42 @@ class BlockBatch:
     anchor_ids: Tensor
     block_positions: Tensor
     labels: Tensor
-    mask: Tensor
+    block_size: int
+    window: int
+
+    _tensors = ("input_ids", "valid", "anchors", "anchor_ids", "block_positions", "labels")
 
     def to(self, device) -> "BlockBatch":
         """On `device`; to CUDA through pinned memory without blocking, so the host can build the
         next batch while the device still works on this one."""
-        if torch.device(device).type != "cuda":
-            return BlockBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
-        return BlockBatch(*(getattr(self, f).pin_memory().to(device, non_blocking=True)
-                            for f in self.__dataclass_fields__))
+        cuda = torch.device(device).type == "cuda"
+        moved = {f: (getattr(self, f).pin_memory().to(device, non_blocking=True) if cuda
+                     else getattr(self, f).to(device)) for f in self._tensors}
+        return BlockBatch(**moved, block_size=self.block_size, window=self.window)
+
+    @property
+    def mask(self) -> Tensor:
+        """[bs, nb·B, L + nb·B] bool: slot queries of block k see the context positions j with
+        anchor_k - window <= j < anchor_k that are valid, and the B slots of block k itself."""
+        bs, nb = self.anchors.shape
+        length, block = self.input_ids.shape[1], self.block_size
+        ctx = torch.arange(length, device=self.anchors.device)
+        a = self.anchors[..., None]
+        ctx_mask = (ctx < a) & (ctx >= a - self.window) & self.valid[:, None]               # [bs, nb, L]
+        ctx_mask = ctx_mask[:, :, None].expand(bs, nb, block, length).reshape(bs, nb * block, length)
+        blk = torch.arange(nb * block, device=self.anchors.device) // block
+        return torch.cat([ctx_mask, (blk[:, None] == blk[None])[None].expand(bs, -1, -1)], dim=2)
 
 
 def make_block_batch(records: list[dict], *, block_size: int, blocks_per_seq: int, window: int, max_len: int,
-                     generator: torch.Generator) -> BlockBatch:
+                     generator: torch.Generator, length_multiple: int = 64) -> BlockBatch:
     """Pad `records` ({"ids", "answer_start"}) to one batch and draw `blocks_per_seq` anchors each,
-    uniformly over answer positions (with replacement when the answer is short)."""
+    uniformly over answer positions (with replacement when the answer is short). The padded length
+    is a multiple of `length_multiple`: few distinct shapes, so attention backends reuse their
+    per-shape plans (cuDNN's cost milliseconds of CPU each)."""
     seqs = [r["ids"][:max_len] for r in records]
-    bs, length = len(seqs), max(len(s) for s in seqs)
+    bs, longest = len(seqs), max(len(s) for s in seqs)
+    length = -(-longest // length_multiple) * length_multiple
     input_ids = torch.zeros(bs, length, dtype=torch.long)
     for b, s in enumerate(seqs):
         input_ids[b, : len(s)] = torch.tensor(s)
@@ -57,12 +77,5 @@ def make_block_batch(records: list[dict], *, block_size: int, blocks_per_seq: in
     slot_pos = anchors[..., None] + offsets                                           # [bs, nb, B]
     labels = input_ids.gather(1, slot_pos.clamp(max=length - 1).view(bs, -1)).view(bs, blocks_per_seq, block_size)
     labels = labels.masked_fill(slot_pos >= lens[:, None, None], -100)[..., 1:]        # [bs, nb, B-1]
-    anchor_ids = input_ids.gather(1, anchors)
-    ctx = torch.arange(length)
-    ctx_mask = (ctx[None, None] < anchors[..., None]) & (ctx[None, None] >= anchors[..., None] - window)
-    ctx_mask &= valid[:, None]                                                       # [bs, nb, L]
-    ctx_mask = ctx_mask[:, :, None].expand(bs, blocks_per_seq, block_size, length).reshape(bs, -1, length)
-    blk = torch.block_diag(*[torch.ones(block_size, block_size, dtype=torch.bool)] * blocks_per_seq)
-    mask = torch.cat([ctx_mask, blk[None].expand(bs, -1, -1)], dim=2)
-    return BlockBatch(input_ids, valid, anchors, anchor_ids, slot_pos.view(bs, -1),
-                      labels.reshape(bs * blocks_per_seq, block_size - 1), mask)
+    return BlockBatch(input_ids, valid, anchors, input_ids.gather(1, anchors), slot_pos.view(bs, -1),
+                      labels.reshape(bs * blocks_per_seq, block_size - 1), block_size, window)

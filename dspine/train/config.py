@@ -101,17 +101,28 @@ class TrainConfig:
     save_every: int = 250
     log_every: int = 10
     export_shard_bytes: int = 15 << 20
+    # Throughput (docs/training.md): micro-batches of batch_size sequences per optimisation step, and
+    # torch.compile of the draft layers and of the chunked vocabulary loss.
+    grad_accum_steps: int = 1
+    compile: bool = False
 
     def __post_init__(self) -> None:
         checked = _check_fields(type(self), dataclasses.asdict(self), "")
         checked["drafter"] = _check_fields(DSpineConfig, checked["drafter"], "drafter")
         for name, value in checked.items():
             setattr(self, name, value)
-        for name in ("steps", "batch_size", "blocks_per_seq", "max_len", "eval_every", "save_every", "log_every"):
+        for name in ("steps", "batch_size", "blocks_per_seq", "max_len", "eval_every", "save_every", "log_every",
+                     "export_shard_bytes", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise TrainConfigError(f"{name} = {getattr(self, name)}: must be >= 1")
-        if self.lr <= 0:
-            raise TrainConfigError(f"lr = {self.lr}: must be > 0 (e.g. 6e-4)")
+        for name in ("heldout_sequences", "warmup_steps", "weight_decay", "confidence_weight"):
+            if getattr(self, name) < 0:
+                raise TrainConfigError(f"{name} = {getattr(self, name)}: must be >= 0")
+        for name, example in (("lr", "6e-4"), ("grad_clip", "1.0"), ("position_decay", "7.0")):
+            if getattr(self, name) <= 0:
+                raise TrainConfigError(f"{name} = {getattr(self, name)}: must be > 0 (e.g. {example})")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise TrainConfigError(f"min_lr_ratio = {self.min_lr_ratio}: must be in [0, 1] (e.g. 0.05)")
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: list[str] = (), **fields) -> "TrainConfig":
@@ -119,7 +130,9 @@ class TrainConfig:
         file's), then `section.field=value` `overrides`."""
         path = config_path(path)
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TrainConfigError(f"{path}: cannot be read as a UTF-8 YAML file ({exc})") from None
         except yaml.YAMLError as exc:
             raise TrainConfigError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(data, dict):
@@ -140,7 +153,12 @@ def apply_override(data: dict, item: str) -> None:
     key, sep, raw = item.partition("=")
     if not sep or not key:
         raise TrainConfigError(f"override {item!r}: expected KEY=VALUE or SECTION.KEY=VALUE, e.g. lr=3e-4")
-    value = yaml.safe_load(raw) if raw else None
+    try:
+        value = yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or exc
+        raise TrainConfigError(f"override {item!r}: the value is not valid YAML ({problem}); give a YAML value, "
+                               f"e.g. lr=3e-4 or drafter.selection=argmax") from None
     section, dot, name = key.partition(".")
     if not dot:
         data[key] = value

@@ -1,15 +1,15 @@
 """Online drafter training: the frozen target runs in the loop, no hidden-state cache on disk.
 
-Each step: a batch of target-regenerated sequences goes through the frozen target (hidden states
-at `target_layer_ids`), random anchors are drawn in the answers, the drafter drafts every block in
-one pass, and the loss is
-  Σ_j w_j · CE(final logits_j)                       final prediction (target lm_head)
-+ Σ_j w_j · CE(final logits_j + T(label_{j-1}, ·))    transition scores (DSpine selection only)
-+ Σ_l λ_l Σ_j w_j · CE(layer-l transfer scores_j)   layer-wise supervision (injection only)
-+ 0.1 · BCE(confidence_j, [selected_j == label_j])    confidence head
-with position weights w_j = exp(-(j-1)/γ). bf16 autocast, AdamW, warm-up + cosine schedule,
-gradient clipping. `state.pt` in the run directory holds everything needed to resume; a time
-limit stops a run cleanly so it continues in the next command.
+Each step takes `grad_accum_steps` micro-batches of `batch_size` target-regenerated sequences
+(per process; `dspine.train.distributed` runs one process per GPU under torchrun). Per micro-batch
+the frozen target runs only up to the deepest of `target_layer_ids` (`target_hidden`), random
+anchors are drawn in the answers (`blocks_per_seq` per sequence, all sharing that one target
+forward), the drafter drafts every block in one pass, and `dspine.train.losses.DrafterObjective`
+gives the loss (final, transition, layer-wise and confidence terms; vocabulary-sized losses in
+chunks of rows). bf16 autocast on CUDA, AdamW, warm-up + cosine schedule, gradient clipping. The
+log records label tokens per second and model-FLOPs utilisation (`dspine.train.profile`).
+`state.pt` in the run directory holds everything needed to resume; a time limit stops a run
+cleanly so it continues in the next command.
 """
 
 from __future__ import annotations
@@ -25,14 +25,17 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from torch import Tensor, nn
 
 from dspine.model.checkpoint import save_checkpoint
 from dspine.model.config import DSpineConfig
 from dspine.model.drafter import DSpineDrafter
 from dspine.model.selection import select_tokens
+from dspine.train import distributed
 from dspine.train.blocks import BlockBatch, make_block_batch
 from dspine.train.config import TrainConfig, TrainConfigError
+from dspine.train.losses import DrafterObjective, chunk_gradients, step_norms
+from dspine.train.flops import batch_flops, mfu
 from dspine.utils.atomic import write_atomic, write_json_atomic
 
 
@@ -84,51 +87,39 @@ def check_run_dir(run_dir: Path) -> None:
         raise TrainConfigError(f"run_dir {run_dir} is not writable ({exc}); pass --run-dir FOLDER") from None
 
 
-def target_hidden(target, input_ids, valid, layer_ids) -> torch.Tensor:
-    """Frozen target forward -> [bs, L, K·H] hidden states at layer_ids (HF "output of layer i")."""
-    with torch.no_grad():
-        out = target(input_ids=input_ids, attention_mask=valid.long(), output_hidden_states=True)
-    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+class _StopForward(Exception):
+    """Raised by `target_hidden`'s hook once the deepest needed layer has run."""
 
 
-def block_losses(model: DSpineDrafter, target, batch: BlockBatch, cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    """All loss terms of one batch (scalars); `total` is what is optimised."""
-    dc = model.config
-    hidden = target_hidden(target, batch.input_ids, batch.valid, dc.target_layer_ids)
-    bs, length = batch.input_ids.shape
-    features = model.project_context(hidden)
-    kv = model.context_key_values(features, torch.arange(length, device=hidden.device)[None].expand(bs, -1))
-    out = model(batch.anchor_ids, batch.block_positions, kv, batch.mask, need_layer_scores=True)
-    labels = batch.labels                                                                  # [n, B-1]
-    n, slots = labels.shape
-    weights = torch.exp(-torch.arange(slots, device=labels.device) / cfg.position_decay)
-    valid = labels >= 0
-    w = (weights[None] * valid).float()
-    norm = w.sum().clamp(min=1)
+def target_hidden(target, input_ids: Tensor, layer_ids: list[int]) -> Tensor:
+    """Frozen target forward -> [bs, L, K·H]: the outputs of decoder layers `layer_ids`, equal to
+    `output_hidden_states=True`'s hidden_states[i + 1] (the last layer's after the final norm, as
+    there). Forward hooks on the decoder layers collect the outputs and stop the forward after the
+    deepest one: no later layer, lm_head or all-layer tuple is computed. input_ids: [bs, L] right-
+    padded; causal attention never reaches the padding from a real position, so no attention mask
+    is passed (the padded positions' states are computed but never read)."""
+    base = target.base_model
+    layers, last = base.layers, max(layer_ids)
+    stops = last < len(layers) - 1
+    captured: dict[int, Tensor] = {}
 
-    def weighted_ce(logits: torch.Tensor) -> torch.Tensor:
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.clamp(min=0).reshape(-1),
-                             reduction="none").view(n, slots)
-        return (ce * w).sum() / norm
+    def record(i: int):
+        def hook(_module, _args, output):
+            captured[i] = output[0] if isinstance(output, tuple) else output
+            if stops and i == last:
+                raise _StopForward
+        return hook
 
-    logits = model.logits(out.hidden[:, 1:])                                                # [n, B-1, V]
-    terms = {"final": weighted_ce(logits)}
-    select_logits = logits
-    if model.transition is not None:
-        prev = torch.cat([batch.anchor_ids.reshape(-1, 1), labels[:, :-1].clamp(min=0)], dim=1)   # [n, B-1]
-        select_logits = logits + model.transition.full_row(model.transfer_table(), prev).to(logits.dtype)
-        terms["transition"] = weighted_ce(select_logits)
-    if out.layer_scores:
-        terms["layers"] = sum(lw * weighted_ce(s[:, 1:]) for lw, s in zip(dc.layer_loss_weights, out.layer_scores))
-    conf = model.confidence_logits(out.hidden[:, 1:])
-    if conf is not None:
-        correct = (select_logits.argmax(-1) == labels).float().detach()
-        bce = F.binary_cross_entropy_with_logits(conf.float(), correct, reduction="none")
-        terms["confidence"] = cfg.confidence_weight * (bce * valid).sum() / valid.sum().clamp(min=1)
-    terms["total"] = sum(terms.values())
-    with torch.no_grad():
-        terms["acc1"] = ((logits[:, 0].argmax(-1) == labels[:, 0]).float() * valid[:, 0]).sum() / valid[:, 0].sum()
-    return terms
+    handles = [layers[i].register_forward_hook(record(i)) for i in set(layer_ids)]
+    try:
+        with torch.no_grad():
+            captured[last] = base(input_ids=input_ids, use_cache=False).last_hidden_state
+    except _StopForward:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.cat([captured[i] for i in layer_ids], dim=-1)
 
 
 @torch.no_grad()
@@ -146,7 +137,7 @@ def heldout_tau(model: DSpineDrafter, target, records: list[dict], cfg: TrainCon
                                  generator=gen).to(device)
         with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,
                             enabled=torch.device(device).type == "cuda"):
-            hidden = target_hidden(target, batch.input_ids, batch.valid, dc.target_layer_ids)
+            hidden = target_hidden(target, batch.input_ids, dc.target_layer_ids)
             bs, length = batch.input_ids.shape
             kv = model.context_key_values(model.project_context(hidden),
                                           torch.arange(length, device=device)[None].expand(bs, -1))
@@ -170,15 +161,25 @@ def _lr(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def build_training(cfg: TrainConfig, device: str) -> tuple[torch.nn.Module, DSpineDrafter, torch.optim.Optimizer]:
-    """`(frozen target, drafter in train mode attached to it, AdamW)` for `cfg` on `device`
-    (bf16 target on CUDA, fp32 elsewhere)."""
-    from dspine.engine.targets import load_target, mask_token_candidate
+def load_training_target(cfg: TrainConfig, device: str) -> tuple[nn.Module, int]:
+    """`(frozen target, mask token id)` for `cfg` on `device` (bf16 on CUDA, fp32 elsewhere). A
+    `random:SHAPE` target gets random weights from the global torch seed (the same on every rank)."""
+    from dspine.engine.targets import is_random_target, load_random_target, load_target, mask_token_candidate
 
-    target, tokenizer = load_target(cfg.target, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32,
-                                    device=device)
-    dcfg = DSpineConfig.for_target(target.config, mask_token_id=mask_token_candidate(tokenizer), **cfg.drafter)
-    model = DSpineDrafter(dcfg).to(device)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if is_random_target(cfg.target):
+        return load_random_target(cfg.target, dtype=dtype, device=device)
+    target, tokenizer = load_target(cfg.target, dtype=dtype, device=device)
+    return target, mask_token_candidate(tokenizer)
+
+
+def build_drafter(cfg: TrainConfig, target: nn.Module, mask_token_id: int,
+                  device: str) -> tuple[DSpineDrafter, torch.optim.Optimizer]:
+    """`(drafter in train mode attached to `target`, AdamW)`; the drafter is initialised on `device`
+    from the global torch seed."""
+    dcfg = DSpineConfig.for_target(target.config, mask_token_id=mask_token_id, **cfg.drafter)
+    with torch.device(device):
+        model = DSpineDrafter(dcfg)
     model.attach_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -186,16 +187,60 @@ def build_training(cfg: TrainConfig, device: str) -> tuple[torch.nn.Module, DSpi
     no_decay = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    return model, opt
+
+
+def build_training(cfg: TrainConfig, device: str) -> tuple[nn.Module, DSpineDrafter, torch.optim.Optimizer]:
+    """`(frozen target, drafter, AdamW)` (`load_training_target`, `build_drafter`). Under torchrun it
+    first joins the process group (`distributed.setup`): "cuda" is then this process's GPU."""
+    _, device = distributed.setup(device)
+    target, mask_token_id = load_training_target(cfg, device)
+    model, opt = build_drafter(cfg, target, mask_token_id, device)
     return target, model, opt
 
 
-def train_step(model: DSpineDrafter, target, batch: BlockBatch, opt: torch.optim.Optimizer, cfg: TrainConfig,
-               *, use_amp: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """One optimisation step (bf16 autocast when `use_amp`, gradient clipping): `(terms, grad_norm)`."""
-    with torch.autocast(device_type="cuda" if use_amp else "cpu", dtype=torch.bfloat16, enabled=use_amp):
-        terms = block_losses(model, target, batch, cfg)
+def make_objective(model: DSpineDrafter, cfg: TrainConfig) -> nn.Module:
+    """`model`'s training objective (`DrafterObjective`); with `cfg.compile`, the draft layers'
+    attention and MLP and the loss chunks run through torch.compile; under DDP when the job has
+    more than one process."""
+    chunk_fn = chunk_gradients
+    if cfg.compile:
+        chunk_fn = torch.compile(chunk_gradients, dynamic=True)
+        for layer in model.layers:
+            layer.self_attn.compile()
+            layer.mlp.compile()
+    objective = DrafterObjective(model, position_decay=cfg.position_decay, confidence_weight=cfg.confidence_weight,
+                                 chunk_fn=chunk_fn)
+    return distributed.wrap(objective, distributed.context())
+
+
+def accumulate_gradients(objective: nn.Module, target, batches: list[BlockBatch], cfg: TrainConfig, *,
+                         use_amp: bool) -> dict[str, Tensor]:
+    """Forward and backward of this process's micro-batches `batches` (on the device) into the
+    drafter's gradients (under DDP all-reduced with the last one): per micro-batch the target
+    forward, then the objective, its terms normalised by the whole step's counts. Returns the terms
+    summed over the micro-batches: this process's share of the step's loss."""
+    dist = distributed.context()
+    layer_ids = distributed.unwrap(objective).drafter.config.target_layer_ids
+    norms = dist.all_sum(step_norms([b.labels for b in batches], cfg.position_decay))
+    totals: dict[str, Tensor] = {}
+    for i, batch in enumerate(batches):
+        with distributed.no_sync(objective, last=i == len(batches) - 1):
+            with torch.autocast(device_type="cuda" if use_amp else "cpu", dtype=torch.bfloat16, enabled=use_amp):
+                hidden = target_hidden(target, batch.input_ids, layer_ids)
+                terms = objective(hidden, batch.anchor_ids, batch.block_positions, batch.mask, batch.labels, norms)
+            (terms["total"] * dist.world).backward()
+        for name, value in terms.items():
+            totals[name] = totals[name] + value.detach() if name in totals else value.detach()
+    return totals
+
+
+def train_step(objective: nn.Module, target, batches: list[BlockBatch], opt: torch.optim.Optimizer,
+               cfg: TrainConfig, *, use_amp: bool) -> tuple[dict[str, Tensor], Tensor]:
+    """One optimisation step (`accumulate_gradients`, bf16 autocast when `use_amp`, gradient
+    clipping, AdamW): `(terms, grad_norm)`."""
     opt.zero_grad(set_to_none=True)
-    terms["total"].backward()
+    terms = accumulate_gradients(objective, target, batches, cfg, use_amp=use_amp)
     grad_norm = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
     opt.step()
     return terms, grad_norm
@@ -203,7 +248,11 @@ def train_step(model: DSpineDrafter, target, batch: BlockBatch, opt: torch.optim
 
 def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, progress: bool = True) -> Path | None:
     """Run (or resume) training. Returns the exported checkpoint dir when `cfg.steps` is reached,
-    None when the time limit stopped it first (run again to resume)."""
+    None when the time limit stopped it first (run again to resume).
+
+    Before anything is written or the target loads, in this order: the config, the data file (every
+    line a record, of this target, enough of them), the run directory (writable); each failure is a
+    TrainConfigError naming the file, line or key and the fix."""
     from tqdm.auto import tqdm
 
     from dspine.engine.targets import DEFAULT_TARGET, load_target_config, target_identity
@@ -213,11 +262,18 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
     records = load_records(cfg.data)
     identity = target_identity(load_target_config(cfg.target), cfg.target or DEFAULT_TARGET)
     check_data_target(records, identity, cfg.data)
+    needed = cfg.heldout_sequences + cfg.batch_size
+    if len(records) < needed:
+        raise TrainConfigError(f"{cfg.data} holds {len(records)} usable sequences (>= 2 answer tokens), this run "
+                               f"needs heldout_sequences + batch_size = {cfg.heldout_sequences} + {cfg.batch_size}; "
+                               f"write more with `dspine gen-data --num-prompts N` or lower them "
+                               f"(--set heldout_sequences=N, --batch-size N)")
     run_dir = Path(cfg.run_dir)
     check_run_dir(run_dir)
     write_json_atomic(run_dir / "train_config.json", dataclasses.asdict(cfg))
     torch.manual_seed(cfg.seed)
     target, model, opt = build_training(cfg, device)
+    dist = distributed.context()
     dcfg = model.config
     random.Random(cfg.seed).shuffle(records)
     heldout, records = records[: cfg.heldout_sequences], records[cfg.heldout_sequences:]
@@ -228,55 +284,73 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step, log = state["step"], state["log"]
-        print(f"dspine train: resumed {run_dir} at step {step}")
-    gen = torch.Generator().manual_seed(cfg.seed + step)
-    order = random.Random(cfg.seed + step)
-    bar = tqdm(total=cfg.steps, initial=step, desc=f"train {run_dir.name}", unit="step", disable=not progress)
-    tokens_seen, t_last = 0, time.perf_counter()
+        if dist.main:
+            print(f"dspine train: resumed {run_dir} at step {step}")
+    objective = make_objective(model, cfg)
+    sampler = distributed.SequenceSampler(records, seed=cfg.seed, rank=dist.rank, world=dist.world)
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"train {run_dir.name}", unit="step",
+               disable=not (progress and dist.main))
     use_amp = device.startswith("cuda")
+    seen, steps_seen, t_last = [0.0, 0.0], 0, time.perf_counter()  # label tokens and model FLOPs since the last entry
 
     def save_state() -> None:
-        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "log": log}
-        # torch.save writes the temporary file by path (the writer's file object is text)
-        write_atomic(state_file, lambda f: None, check=lambda tmp: torch.save(state, tmp))
-        write_json_atomic(run_dir / "log.json", log, indent=1)
+        if dist.main:
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "log": log}
+            # torch.save writes the temporary file by path (the writer's file object is text)
+            write_atomic(state_file, lambda f: None, check=lambda tmp: torch.save(state, tmp))
+            write_json_atomic(run_dir / "log.json", log, indent=1)
+        dist.barrier()
+
+    def micro_batches() -> list[BlockBatch]:
+        first = step * cfg.grad_accum_steps * cfg.batch_size
+        return [make_block_batch(sampler.take(start, cfg.batch_size), block_size=dcfg.block_size,
+                                 blocks_per_seq=cfg.blocks_per_seq, window=dcfg.sliding_window, max_len=cfg.max_len,
+                                 generator=sampler.generator(start))
+                for start in range(first, first + cfg.grad_accum_steps * cfg.batch_size, cfg.batch_size)]
 
     while step < cfg.steps:
-        if time_limit_s is not None and time.perf_counter() - started > time_limit_s:
+        if time_limit_s is not None and dist.any(time.perf_counter() - started > time_limit_s, device):
             save_state()
             bar.close()
-            print(f"dspine train: time limit reached at step {step}; state saved, run again to resume")
+            if dist.main:
+                print(f"dspine train: time limit reached at step {step}; state saved, run again to resume")
             return None
         for group in opt.param_groups:
             group["lr"] = _lr(step, cfg)
-        batch = make_block_batch(order.sample(records, cfg.batch_size), block_size=dcfg.block_size,
-                                 blocks_per_seq=cfg.blocks_per_seq, window=dcfg.sliding_window, max_len=cfg.max_len,
-                                 generator=gen)
-        tokens_seen += int((batch.labels >= 0).sum())  # on the host copy: no device sync in the loop
-        terms, grad_norm = train_step(model, target, batch.to(device), opt, cfg, use_amp=use_amp)
-        step += 1
+        batches = micro_batches()
+        for b in batches:  # counted on the host copies: no device sync in the loop
+            seen[0] += float((b.labels >= 0).sum())
+            seen[1] += batch_flops(target.config, dcfg, *b.input_ids.shape, b.anchors.shape[1])
+        terms, grad_norm = train_step(objective, target, [b.to(device) for b in batches], opt, cfg, use_amp=use_amp)
+        step, steps_seen = step + 1, steps_seen + 1
         bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.steps:
-            now = time.perf_counter()
+            names = sorted(terms)
+            summed = dist.all_sum(torch.stack([terms[k].float() for k in names])).tolist()
+            tokens, flops = dist.all_sum(torch.tensor(seen, dtype=torch.float64, device=device)).tolist()
+            seconds = time.perf_counter() - t_last
             entry = {"step": step, "lr": _lr(step - 1, cfg), "grad_norm": float(grad_norm),
-                     "label_tokens_per_s": tokens_seen / (now - t_last),
-                     "step_seconds": (now - t_last) / cfg.log_every,
-                     **{k: float(v.detach()) for k, v in terms.items()}}
-            tokens_seen, t_last = 0, now
-            if step % cfg.eval_every == 0 or step == cfg.steps:
+                     "label_tokens_per_s": tokens / seconds, "mfu": mfu(flops, seconds, device, dist.world),
+                     "step_seconds": seconds / steps_seen, **dict(zip(names, summed))}
+            if dist.main and (step % cfg.eval_every == 0 or step == cfg.steps):
                 entry["heldout_tau"] = heldout_tau(model, target, heldout, cfg, device)
             log.append(entry)
             bar.set_postfix(loss=f"{entry['total']:.3f}", acc1=f"{entry['acc1']:.2f}",
                             tau=f"{entry.get('heldout_tau', float('nan')):.2f}")
+            seen, steps_seen, t_last = [0.0, 0.0], 0, time.perf_counter()
         if step % cfg.save_every == 0:
             save_state()
     bar.close()
     save_state()
-    model.eval()
     export = run_dir / "checkpoint"
-    save_checkpoint(model, export, dtype=torch.bfloat16, max_shard_bytes=cfg.export_shard_bytes, target=identity,
-                    extra_config={"dspine_training": {"data": str(cfg.data), "steps": cfg.steps,
-                                                      "batch_size": cfg.batch_size,
-                                                      "blocks_per_seq": cfg.blocks_per_seq, "seed": cfg.seed}})
-    print(f"dspine train: exported {export}")
+    if dist.main:
+        model.eval()
+        save_checkpoint(model, export, dtype=torch.bfloat16, max_shard_bytes=cfg.export_shard_bytes, target=identity,
+                        extra_config={"dspine_training": {"data": str(cfg.data), "steps": cfg.steps,
+                                                          "batch_size": cfg.batch_size,
+                                                          "grad_accum_steps": cfg.grad_accum_steps,
+                                                          "world_size": dist.world,
+                                                          "blocks_per_seq": cfg.blocks_per_seq, "seed": cfg.seed}})
+        print(f"dspine train: exported {export}")
+    dist.barrier()
     return export

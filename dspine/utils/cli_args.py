@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from typing import Callable
 
 
 def _number(text: str, kind: type, allowed: str):
@@ -24,44 +25,24 @@ def _number(text: str, kind: type, allowed: str):
     return value
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (token budgets, batch sizes, counts)."""
-    value = _number(text, int, "give an integer >= 1")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is out of range; give an integer >= 1")
-    return value
+def _ranged(kind: type, in_range: Callable[[float], bool], allowed: str, doc: str) -> Callable[[str], float]:
+    """An argparse type: `kind` parsed from the option's text, refused unless `in_range`."""
+    def parse(text: str):
+        value = _number(text, kind, allowed)
+        if not in_range(value):
+            raise argparse.ArgumentTypeError(f"{value:g} is out of range; {allowed}")
+        return value
+    parse.__doc__ = doc
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """An integer >= 0 (0 means off or default: `--top-k 0`, `--threads 0`)."""
-    value = _number(text, int, "give an integer >= 0 (0 = off)")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is out of range; give an integer >= 0 (0 = off)")
-    return value
-
-
-def temperature(text: str) -> float:
-    """A finite float >= 0 (0 = greedy)."""
-    value = _number(text, float, "give a temperature >= 0 (0 = greedy)")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value:g} is out of range; give a temperature >= 0 (0 = greedy)")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite float > 0 (time limits)."""
-    value = _number(text, float, "give a number > 0")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value:g} is out of range; give a number > 0")
-    return value
-
-
-def top_p(text: str) -> float:
-    """A nucleus mass in (0, 1] (1 = off)."""
-    value = _number(text, float, "give a top-p in (0, 1] (1 = off)")
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{value:g} is out of range; give a top-p in (0, 1] (1 = off)")
-    return value
+positive_int = _ranged(int, lambda v: v >= 1, "give an integer >= 1",
+                       "An integer >= 1 (token budgets, batch sizes, counts).")
+non_negative_int = _ranged(int, lambda v: v >= 0, "give an integer >= 0 (0 = off)",
+                           "An integer >= 0 (0 means off or default: `--top-k 0`, `--threads 0`).")
+temperature = _ranged(float, lambda v: v >= 0, "give a temperature >= 0 (0 = greedy)", "A finite float >= 0 (0 = greedy).")
+positive_float = _ranged(float, lambda v: v > 0, "give a number > 0", "A finite float > 0 (time limits).")
+top_p = _ranged(float, lambda v: 0 < v <= 1, "give a top-p in (0, 1] (1 = off)", "A nucleus mass in (0, 1] (1 = off).")
 
 
 def text_lines(path: str) -> list[str]:

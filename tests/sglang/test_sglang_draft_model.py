@@ -562,6 +562,50 @@ def test_in_graph_sampler_equals_select_tokens(attached):
     assert not torch.equal(want, argmax), "transitions should change some choice, or this test proves nothing"
 
 
+def test_copy_candidates_in_the_sampler_equal_select_tokens_with_copies(attached):
+    """Copy candidates in SGLang: the worker's SlotTokenHistory (prefill, then a commit) feeds the
+    in-graph sampler, whose tokens equal the reference `select_tokens` with the same copies."""
+    from dspine.model.copy_candidates import CopyTables, copy_candidates
+    from dspine.sglang.dspine_worker_v2 import DSpineDraftSampler
+    from dspine.sglang.token_history import SlotTokenHistory
+
+    model, ref = attached
+    cfg = model.dspine_config
+    g = torch.Generator().manual_seed(8)
+    span = torch.randint(0, V, (12,), generator=g).tolist()
+    prompts = [span + [7, 9] + span[:4], torch.randint(0, V, (9,), generator=g).tolist(), span * 2]
+    slots, firsts = torch.tensor([5, 2, 6]), torch.tensor([span[4], 11, span[0]])
+    history = SlotTokenHistory(pool_rows=8, max_context_len=64, block_size=N, window=32, max_bs=4, device="cpu")
+    model.attach_token_history(history)
+    history.write_prefill(slots, prompts, firsts)
+    prefix = torch.tensor([len(p) for p in prompts])
+    committed = torch.tensor([(span * 2)[5:5 + N], [12] * N, (span * 2)[1:1 + N]])
+    history.write_committed(slots, prefix, committed)
+    commit = torch.tensor([3, 1, 2])
+    # the next step: anchors are each row's last committed token, at position prefix + commit
+    truth = [p + [f] + committed[b, : commit[b]].tolist() for b, (p, f) in enumerate(zip(prompts, firsts.tolist()))]
+    history.prepare_draft(slots, prefix + commit)
+    n = 4                                                   # graph batch: 3 real rows and a padded one
+    hidden = torch.randn(n * N, H, generator=g)
+    input_ids = torch.randint(0, V, (n * N,), generator=g)
+    input_ids.view(n, N)[:3, 0] = torch.tensor([t[-1] for t in truth])
+    sampler = DSpineDraftSampler(draft_model=model, block_size=N, max_bs=8, device="cpu")
+    sampler(hidden, input_ids)
+    got = sampler.out[: n * (N - 1)].view(n, N - 1)[:3]
+
+    recent = [t[-32:] for t in truth]
+    rows = torch.tensor([r + [0] * (32 - len(r)) for r in recent])
+    copies = copy_candidates(rows, torch.tensor([len(r) for r in recent]), cfg, CopyTables.from_config(cfg), N - 1)
+    assert (copies.ids[0] >= 0).any() and (copies.ids[2] >= 0).any(), "the repeated spans should give copies"
+    logits = ref.logits(hidden.view(n, N, H)[:3, 1:])
+    want = select_tokens(logits, input_ids.view(n, N)[:3, 0], torch.zeros(3), mode="transition",
+                         top_k=cfg.selection_top_k, lam=cfg.transition_lambda, scorer=ref.transition,
+                         table=ref.transfer_table(), copies=copies).tokens
+    assert torch.equal(got, want)
+    assert not torch.equal(want, reference_tokens(ref, hidden.view(n, N, H)[:3], input_ids.view(n, N)[:3, 0],
+                                                  torch.zeros(3)).tokens), "copies should change some choice"
+
+
 def test_the_triton_kernels_run_behind_the_same_seams(attached, monkeypatch):
     """What CUDA runs (`dispatch.use_triton`): the fused injection and the Triton lattice walk, here in
     the Triton interpreter, through the model's `inject` and the in-graph sampler."""
@@ -704,6 +748,40 @@ def test_worker_attaches_the_target_head_and_refreshes_the_table_when_serving(sg
     model.invalidate_transfer_table()
     worker.forward_batch_generation("batch")
     torch.testing.assert_close(model.transfer_table(), head_w @ proj.T)
+
+
+def test_worker_writes_the_token_history_at_prefill_and_after_each_decode_step():
+    """The worker's wrapper around a step: a prefill writes the prompt and the first token; a decode
+    step points the draft at (slots, seq_lens) before it runs and writes the committed tokens after."""
+    from dspine.sglang.dspine_worker_v2 import DSpineWorkerV2
+    from dspine.sglang.token_history import SlotTokenHistory
+
+    class Mode:
+        def __init__(self, extend): self.extend = extend
+        def is_extend(self): return self.extend
+        def is_idle(self): return False
+
+    worker = DSpineWorkerV2.__new__(DSpineWorkerV2)
+    history = SlotTokenHistory(pool_rows=4, max_context_len=32, block_size=4, window=16, max_bs=4, device="cpu")
+    worker.__dict__["_history"] = history
+    seen = []
+
+    def step(batch, *args, **kwargs):
+        seen.append((history.rows[:2].tolist(), history.lengths[:2].tolist()))
+        return batch.result
+
+    worker.__dict__["_forward_step"] = step
+    reqs = [SimpleNamespace(get_fill_ids=lambda: [5, 6, 7]), SimpleNamespace(get_fill_ids=lambda: [8])]
+    prefill = SimpleNamespace(forward_mode=Mode(True), reqs=reqs, req_pool_indices=torch.tensor([3, 1]),
+                              result=SimpleNamespace(next_token_ids=torch.tensor([9, 10])))
+    worker.forward_batch_generation(prefill)
+    decode = SimpleNamespace(forward_mode=Mode(False), reqs=reqs, req_pool_indices=torch.tensor([3, 1]),
+                             seq_lens=torch.tensor([3, 1]),
+                             result=SimpleNamespace(next_token_ids=torch.tensor([[11, 12, 13, 14], [15, 16, 17, 18]])))
+    worker.forward_batch_generation(decode)
+    assert seen[-1] == ([3, 1], [4, 2])                     # the anchors (9, 10) are the histories' last tokens
+    assert history.ids[3, :8].tolist() == [5, 6, 7, 9, 11, 12, 13, 14]
+    assert history.ids[1, :6].tolist() == [8, 10, 15, 16, 17, 18]
 
 
 def test_worker_refuses_a_foreign_draft_and_a_wrong_target(sglang_env, ckpt, target_weights):

