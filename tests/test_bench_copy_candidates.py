@@ -26,6 +26,7 @@ from dspine.data.traces import load_traces
 
 MAX_TOKENS = 12
 RUN_KEYS = {"config", "workload", "agentic", "concurrency", "accept_len", "output_tok_per_s"}
+STEP_KEYS = {"steps", "wall_s", "ms_per_step"}  # the client-side step period, beside the schema's keys
 
 
 class StubHandler(JsonHandler):
@@ -120,8 +121,13 @@ def test_end_to_end_schema_variant_and_table(inputs, capsys, monkeypatch):
     assert bench.main(argv, launcher=launcher) == 0
     results = _results(inputs)
     assert set(results) == {"device", "date", "command", "sglang", "runs"}
-    assert all(set(r) == RUN_KEYS for r in results["runs"])
+    assert all(set(r) == RUN_KEYS | STEP_KEYS for r in results["runs"])
     bench.check_results(results)
+    for r in results["runs"]:   # rounds = tokens / accept length; wall x streams in flight / rounds
+        prompts = max(2, r["concurrency"])          # --prompts-per-workload 2, at least one wave
+        in_flight = min(r["concurrency"], prompts)
+        assert r["steps"] == round(prompts * MAX_TOKENS / r["accept_len"])
+        assert r["ms_per_step"] == pytest.approx(1e3 * r["wall_s"] * in_flight / r["steps"])
     assert (results["device"], results["sglang"]) == ("Stub GPU", "0.5.17-stub")
     workloads = ["agentic_demo", *EVAL_SETS]
     assert [(r["config"], r["workload"], r["concurrency"]) for r in results["runs"]] \

@@ -138,6 +138,12 @@ def send_with_meta(base: str, body: dict, timeout: float, parity: bool = False, 
     return reply
 
 
+def decode_steps(replies: list[Reply]) -> int:
+    """The decode steps (speculative rounds) behind the replies: sum spec_verify_ct where a reply
+    carries it, else one step per completion token (plain decoding)."""
+    return sum(int(r.meta_info.get("spec_verify_ct") or 0) or r.completion_tokens for r in replies)
+
+
 def accept_length(replies: list[Reply]) -> float:
     """Sum completion tokens / sum spec_verify_ct over the replies that carry spec_verify_ct; 1.0
     when none does (a server without speculative decoding reports no spec fields)."""
@@ -174,6 +180,7 @@ def run_level(base: str, bodies: list[dict], concurrency: int, timeout: float,
         "ttft_ms": statistics.fmean(ttfts) if ttfts else None,
         "ttft_p50_ms": statistics.median(ttfts) if ttfts else None,
         "accept_len": accept_length(with_meta),
+        "steps": decode_steps(with_meta) if len(with_meta) == len(replies) else None,
     }, with_meta
 
 

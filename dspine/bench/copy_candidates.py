@@ -22,8 +22,14 @@ the workload (at most its pool), greedy, fixed max_tokens, every request non-str
 `return_meta_info` (`dspine.bench.chat_client.run_level`): output_tok_per_s = completion tokens /
 the level's wall time; accept_len = sum completion tokens / sum spec_verify_ct (1.0 for AR).
 
+Each run also keeps `steps` (decode steps: rounds for the speculative configs, tokens for AR),
+`wall_s` and `ms_per_step` = wall x streams in flight / steps, a client-side T_round (T_step for AR)
+that includes prefills and HTTP turnaround.
+
 One server per config serves every workload; configs run one after the other, levels by
-concurrency then workload, and the results file is rewritten after every level. `--time-budget-s`:
+concurrency then workload, and the results file is rewritten after every level. With
+`--parallel-start` every config's server is started at once beforehand (config i on port
+--port + i), so their start-ups overlap; only the measured one gets requests. `--time-budget-s`:
 each config gets an equal share of the time left after the server starts still to come; levels
 past it are skipped and named, the results keep what was measured.
 
@@ -48,7 +54,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspine.bench.chat_client import chat_body, load_set_prompts, run_level, send_with_meta
-from dspine.bench.launchers import UrlLauncher, add_server_arguments, check_server_arguments, launcher_for
+from dspine.bench.launchers import (
+    PrestartedServers,
+    UrlLauncher,
+    add_server_arguments,
+    check_server_arguments,
+    launcher_for,
+)
 from dspine.bench.results import BenchError, check_schema, command_line, write_results
 from dspine.bench.serving import SERVER_START_S, SERVER_STOP_S, server_configs as serving_configs
 from dspine.data.eval_sets import EVAL_SETS
@@ -235,6 +247,15 @@ def table(results: dict) -> str:
             ratio = f"{r['output_tok_per_s'] / ar['output_tok_per_s']:.2f}x" if r and ar else "-"
             cells.append(f"{r['accept_len']:.2f} / {ratio}" if r else "-")
         lines.append(f"{workload:<22}{c:>4}" + "".join(f"{cell:>26}" for cell in cells))
+    if any("ms_per_step" in r for r in runs.values()):
+        lines.append("ms per decode step or round (client side) / AR's step:")
+        for workload, c in rows:
+            ar = runs.get(("AR", workload, c), {}).get("ms_per_step")
+            cells = []
+            for name in configs:
+                ms = runs.get((name, workload, c), {}).get("ms_per_step")
+                cells.append("-" if ms is None else f"{ms:.2f} / {ms / ar:.2f}x" if ar else f"{ms:.2f}")
+            lines.append(f"{workload:<22}{c:>4}" + "".join(f"{cell:>26}" for cell in cells))
     lines.append("must-reach:")
     lines += [f"  {s['workload']}: {s['check']} = {s['ratio']:.3f} (goal >= {s['goal']:.2f}) "
               f"{'PASS' if s['ok'] else 'FAIL'}" for s in summary(results)]
@@ -299,6 +320,17 @@ def estimate_s(configs: list[str], levels: list[Level], max_tokens: int, tok_per
     return len(configs) * decode + (starts * (SERVER_START_S + SERVER_STOP_S) if managed else 0.0)
 
 
+def step_period(stats: dict, concurrency: int) -> dict:
+    """A level's wall time per decode step (AR) or speculative round, from the client side:
+    wall x streams in flight / steps (`{"steps", "wall_s", "ms_per_step"}`; {} without step counts).
+    It includes each request's prefill and HTTP turnaround, so it overstates a step a little."""
+    steps = stats.get("steps")
+    if not steps:
+        return {}
+    in_flight = min(concurrency, stats["prompts"])
+    return {"steps": int(steps), "wall_s": stats["wall_s"], "ms_per_step": 1e3 * stats["wall_s"] * in_flight / steps}
+
+
 def measure(args: argparse.Namespace, configs: dict[str, list[str]], levels: list[Level], launcher,
             results: dict, errors: list[str]) -> None:
     """Every config's server, started once (NGRAM again before each of `ngram_restarts`), every
@@ -314,14 +346,16 @@ def measure(args: argparse.Namespace, configs: dict[str, list[str]], levels: lis
         send_with_meta(base, chat_body(WARMUP, args.served_model, 32), args.request_timeout)
         return base
 
+    # a server still to start costs SERVER_START_S + SERVER_STOP_S of the budget; running ones nothing
+    start_s = 0.0 if isinstance(launcher, (UrlLauncher, PrestartedServers)) else SERVER_START_S + SERVER_STOP_S
     for k, name in enumerate(configs):
         left = args.time_budget_s - (time.monotonic() - t0) if args.time_budget_s else float("inf")
-        if left < SERVER_START_S + SERVER_STOP_S:
+        if left <= start_s:
             errors.append(f"{name}: not measured, the time budget is spent")
             continue
         try:
             base = start(name)
-            share = (left - (len(configs) - k) * (SERVER_START_S + SERVER_STOP_S)) / (len(configs) - k)
+            share = (left - (len(configs) - k) * start_s) / (len(configs) - k)
             deadline = time.monotonic() + share
             for i, level in enumerate(levels):
                 where = f"{name} {level.workload.name} c={level.concurrency}"
@@ -340,7 +374,8 @@ def measure(args: argparse.Namespace, configs: dict[str, list[str]], levels: lis
                 results["runs"].append({"config": name, "workload": level.workload.name,
                                         "agentic": level.workload.agentic, "concurrency": level.concurrency,
                                         "accept_len": stats["accept_len"],
-                                        "output_tok_per_s": stats["output_tok_per_s"]})
+                                        "output_tok_per_s": stats["output_tok_per_s"],
+                                        **step_period(stats, level.concurrency)})
                 write_results(results, args.out_dir, args.results_name)
                 print(f"[{where}] {len(bodies)} prompts: accept {stats['accept_len']:.2f}, "
                       f"{stats['output_tok_per_s']:.0f} tok/s, {stats['wall_s']:.1f} s", flush=True)
@@ -384,6 +419,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--assume-tok-per-s", type=float, default=500.0, help="per-stream decode rate for the estimate")
     p.add_argument("--results-name", default=RESULTS_NAME, help="stem of the JSON and PNG in --out-dir")
     p.add_argument("--report-only", action="store_true", help="print the table and redraw the plot from the JSON")
+    p.add_argument("--parallel-start", action="store_true",
+                   help="start every config's server at once (config i on --port + i) before measuring; give "
+                        "each a memory share in --extra-flags, e.g. --mem-fraction-static 0.12")
     args = p.parse_args(argv)
     if args.dflash_draft and "DFLASH" not in args.configs:
         args.configs.append("DFLASH")
@@ -432,6 +470,9 @@ def main(argv: list[str] | None = None, launcher=None) -> int:
     results = {"device": args.device or "unknown", "date": datetime.date.today().isoformat(),
                "command": command_line(argv), "sglang": "unknown", "runs": []}
     errors: list[str] = []
+    if isinstance(launcher, PrestartedServers):
+        print(f"starting {len(configs)} servers at once on ports {args.port}..{args.port + len(configs) - 1}", flush=True)
+        errors += launcher.prestart(configs)
     measure(args, configs, levels, launcher, results, errors)
     path = write_results(results, args.out_dir, args.results_name)
     print(table(results))

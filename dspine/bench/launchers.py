@@ -13,6 +13,7 @@ import argparse
 import os
 import shlex
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dspine.bench.results import DEFAULT_OUT_DIR, BenchError
@@ -70,10 +71,50 @@ class ServeShLauncher:
         subprocess.run(["bash", str(self.script), "stop"], env=self._env(name))
 
 
-def launcher_for(args: argparse.Namespace) -> UrlLauncher | ServeShLauncher:
-    """Every config from `--url` when any is given (a config without one fails), else serve.sh."""
+class PrestartedServers:
+    """serve.sh servers of every config started at once, config i on port `port + i`, before the
+    first is measured: one wait for start-up (compilation, CUDA-graph capture) instead of one per
+    config. `start(name)` hands back the running server the first time (a later start, e.g. NGRAM's
+    restart, starts it again); `stop(name)` stops it. The servers share the GPU but only the measured
+    one has requests, so the others sit idle (give each a `--mem-fraction-static` share)."""
+
+    def __init__(self, script: Path, port: int, log_dir: Path, names: list[str]):
+        self.servers = {name: ServeShLauncher(script, port + i, log_dir) for i, name in enumerate(names)}
+        self.running: set[str] = set()
+
+    def prestart(self, configs: dict[str, list[str]], envs: dict[str, dict[str, str]] | None = None) -> list[str]:
+        """Start every config's server concurrently; returns the errors of those that failed to
+        start (their names stay not running; `start` tries them again)."""
+        def one(name: str) -> str | None:
+            try:
+                self.servers[name].start(name, configs[name], (envs or {}).get(name))
+            except BenchError as e:
+                return f"{name}: {e}"
+            self.running.add(name)
+            return None
+
+        with ThreadPoolExecutor(max_workers=len(configs) or 1) as pool:
+            return [e for e in pool.map(one, list(configs)) if e]
+
+    def start(self, name: str, flags: list[str], env: dict[str, str] | None = None) -> str:
+        server = self.servers[name]
+        if name not in self.running:
+            server.start(name, flags, env)
+            self.running.add(name)
+        return f"http://127.0.0.1:{server.port}"
+
+    def stop(self, name: str) -> None:
+        self.servers[name].stop(name)
+        self.running.discard(name)
+
+
+def launcher_for(args: argparse.Namespace) -> UrlLauncher | ServeShLauncher | PrestartedServers:
+    """Every config from `--url` when any is given (a config without one fails), else serve.sh: one
+    server at a time, or all at once on consecutive ports with `--parallel-start`."""
     if args.url:
         return UrlLauncher(parse_urls(args.url))
+    if getattr(args, "parallel_start", False):
+        return PrestartedServers(args.serve_script, args.port, args.out_dir, list(args.configs))
     return ServeShLauncher(args.serve_script, args.port, args.out_dir)
 
 

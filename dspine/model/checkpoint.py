@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 
 from dspine import env
 from dspine.model.card import model_card
-from dspine.model.config import ConfigError, DSpineConfig
+from dspine.model.config import ConfigError, DSpineConfig, text_config
 from dspine.model.drafter import DSpineDrafter
 
 ARCHITECTURE = "DSpineDraftModel"
@@ -318,7 +318,7 @@ def check_target_compatible(cfg: DSpineConfig, target_config, saved_target: dict
     """Raise `IncompatibleTargetError` naming the first field that does not match the target; with
     `saved_target` (the checkpoint's `dspine_target`), also when its fingerprint differs from the
     target's (`dspine.engine.targets.target_identity`)."""
-    tc = target_config
+    tc = text_config(target_config)
     if saved_target and saved_target.get("fingerprint"):
         from dspine.engine.targets import IDENTITY_FIELDS, target_identity
 

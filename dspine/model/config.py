@@ -66,6 +66,15 @@ def default_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
     return sorted({round(start + i * (end - start) / (num_ids - 1)) for i in range(num_ids)})
 
 
+def text_config(target_config):
+    """The language-model part of a target config: `get_text_config()` of a combined text + vision
+    config (e.g. Qwen3.5-class targets nest their shape under `text_config`), the config itself
+    otherwise. Every shape read and every target fingerprint goes through it, so a checkpoint trained
+    on the combined config matches the text config SGLang serves."""
+    get = getattr(target_config, "get_text_config", None)
+    return get() if callable(get) else target_config
+
+
 @dataclass
 class DSpineConfig:
     """Shapes of the drafter (target-sized attention/MLP) and the DSpine-specific switches.
@@ -215,8 +224,9 @@ class DSpineConfig:
 
     @classmethod
     def for_target(cls, target_config, *, mask_token_id: int, **overrides) -> "DSpineConfig":
-        """A drafter shaped like a transformers target config (Llama / Qwen2 / Qwen3 families)."""
-        tc = target_config
+        """A drafter shaped like a transformers target config (Llama / Qwen2 / Qwen3 families; of a
+        combined text + vision config, its text part)."""
+        tc = text_config(target_config)
         base = dict(
             hidden_size=tc.hidden_size,
             vocab_size=tc.vocab_size,

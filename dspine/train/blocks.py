@@ -59,7 +59,12 @@ def make_block_batch(records: list[dict], *, block_size: int, blocks_per_seq: in
     """Pad `records` ({"ids", "answer_start"}) to one batch and draw `blocks_per_seq` anchors each,
     uniformly over answer positions (with replacement when the answer is short). The padded length
     is a multiple of `length_multiple`: few distinct shapes, so attention backends reuse their
-    per-shape plans (cuDNN's cost milliseconds of CPU each)."""
+    per-shape plans (cuDNN's cost milliseconds of CPU each).
+
+    A record with `answer_spans` ([[start, end), ...], multi-turn gen-data) has its answer in those
+    spans only: anchors a are drawn where a and a + 1 lie in a span, and labels outside every span
+    (the template and the real user/tool turns between answers) are -100. Without spans the answer
+    runs from `answer_start` to the end, as before."""
     seqs = [r["ids"][:max_len] for r in records]
     bs, longest = len(seqs), max(len(s) for s in seqs)
     length = -(-longest // length_multiple) * length_multiple
@@ -69,13 +74,26 @@ def make_block_batch(records: list[dict], *, block_size: int, blocks_per_seq: in
     lens = torch.tensor([len(s) for s in seqs])
     valid = torch.arange(length)[None] < lens[:, None]
     anchors = torch.empty(bs, blocks_per_seq, dtype=torch.long)
+    in_answer = torch.ones(bs, length, dtype=torch.bool)      # label positions; answer_spans narrow them
     for b, r in enumerate(records):
-        lo = min(max(r["answer_start"], 1), len(seqs[b]) - 2)   # an anchor needs context and a next token
-        hi = len(seqs[b]) - 2
+        n = len(seqs[b])
+        if r.get("answer_spans"):
+            in_answer[b] = False
+            for start, end in r["answer_spans"]:
+                in_answer[b, start:min(end, n)] = True
+            starts = (in_answer[b, 1:n - 1] & in_answer[b, 2:n]).nonzero().flatten() + 1
+            if len(starts):
+                pick = torch.randint(len(starts), (blocks_per_seq,), generator=generator)
+                anchors[b] = starts[pick].sort().values
+                continue
+        lo = min(max(r["answer_start"], 1), n - 2)   # an anchor needs context and a next token
+        hi = n - 2
         anchors[b] = torch.randint(lo, hi + 1, (blocks_per_seq,), generator=generator).sort().values
     offsets = torch.arange(block_size)
     slot_pos = anchors[..., None] + offsets                                           # [bs, nb, B]
-    labels = input_ids.gather(1, slot_pos.clamp(max=length - 1).view(bs, -1)).view(bs, blocks_per_seq, block_size)
-    labels = labels.masked_fill(slot_pos >= lens[:, None, None], -100)[..., 1:]        # [bs, nb, B-1]
+    flat_pos = slot_pos.clamp(max=length - 1).view(bs, -1)
+    labels = input_ids.gather(1, flat_pos).view(bs, blocks_per_seq, block_size)
+    outside = (slot_pos >= lens[:, None, None]) | ~in_answer.gather(1, flat_pos).view_as(slot_pos)
+    labels = labels.masked_fill(outside, -100)[..., 1:]                               # [bs, nb, B-1]
     return BlockBatch(input_ids, valid, anchors, input_ids.gather(1, anchors), slot_pos.view(bs, -1),
                       labels.reshape(bs * blocks_per_seq, block_size - 1), block_size, window)

@@ -7,6 +7,7 @@ command's run function imports torch and the code it drives.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from dspine.data.eval_sets import EVAL_SETS
@@ -50,6 +51,33 @@ def cmd_train(args) -> int:
     return 0 if export is not None else 3
 
 
+GEN_DATA_HELP = """\
+Target-regenerated training data: the target answers every assistant turn of each conversation
+itself (built-in ShareGPT + synthetic code/math prompts, or --prompts FILE), decontaminated against
+the evaluation sets and the held-out agentic traces. One JSONL record per conversation: "ids" (the
+templated conversation), "answer_start", and "answer_spans" for several assistant turns.
+Records go to OUT.partial as they finish; OUT appears whole at the end. Exit status: 0 done,
+1 some requests failed for good (the rest is in OUT; --resume retries them), 2 an error whose
+message names the fix (bad input, no server left: --resume continues), 130 interrupted (--resume
+continues).
+
+Examples:
+  # transformers, the built-in prompts (small sets, or no GPU server)
+  dspine gen-data --out runs/data/smollm2.jsonl --num-prompts 8000 --batch-size 512
+  # >= 100k sequences from SGLang servers of the same target (one per GPU); rerun with --resume
+  # after a crash: finished records are kept, only the missing ones are asked again
+  dspine gen-data --out runs/data/big.jsonl --target Qwen/Qwen3-8B --prompts convs.jsonl \\
+      --server http://127.0.0.1:30000 --server http://127.0.0.1:30001 --concurrency 256 --resume
+  # multi-turn agentic traces (every assistant turn regenerated), thinking off, long contexts
+  dspine gen-data --out runs/data/agentic.jsonl --target Qwen/Qwen3-8B --prompts traces.jsonl \\
+      --server http://gpu1:30000,http://gpu2:30000 --chat-template-kwargs '{"enable_thinking": false}' \\
+      --max-new-tokens 1024 --max-len 8192
+  # sampled answers beside the greedy ones (ids get '#k'; the files concatenate)
+  dspine gen-data --out runs/data/smollm2-x4.jsonl --server http://127.0.0.1:30000 \\
+      --temperature 1 --top-p 0.95 --top-k 20 --samples-per-prompt 4
+"""
+
+
 def cmd_gen_data(args) -> int:
     from dspine.train.gen_data import GenDataError, run_gen_data
 
@@ -69,11 +97,7 @@ def cmd_bench_accept(args) -> int:
 def add_command(sub) -> None:
     raw = argparse.RawDescriptionHelpFormatter
     g = sub.add_parser("gen-data", help="regenerate training answers with the target itself", formatter_class=raw,
-                       description="Target-regenerated training data (ShareGPT + synthetic code/math prompts, none "
-                                   "from an evaluation set).\n\nExample:\n"
-                                   "  dspine gen-data --out runs/data/smollm2.jsonl --num-prompts 8000 --batch-size 512\n"
-                                   "  dspine gen-data --out runs/data/smollm2-x4.jsonl --server http://127.0.0.1:30000 \\\n"
-                                   "      --batch-size 64 --concurrency 8 --temperature 0.8 --samples-per-prompt 4")
+                       description=GEN_DATA_HELP)
     add_gen_data_arguments(g)
     g.set_defaults(func=cmd_gen_data)
 
@@ -112,32 +136,90 @@ def add_command(sub) -> None:
     b.set_defaults(func=cmd_bench_accept)
 
 
+def non_negative_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give seconds >= 0") from None
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text} is out of range; give seconds >= 0")
+    return value
+
+
+def chat_template_kwargs(text: str) -> dict:
+    """argparse type of `--chat-template-kwargs`: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc.msg}); give an object, "
+                                         "e.g. '{\"enable_thinking\": false}'") from None
+    if not isinstance(value, dict) or {"tools", "add_generation_prompt", "tokenize"} & set(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a JSON object of template variables (not tools, "
+                                         "add_generation_prompt or tokenize), e.g. '{\"enable_thinking\": false}'")
+    return value
+
+
 def add_gen_data_arguments(p) -> None:
-    p.add_argument("--target", default=None, help="target (default: smollm2-135m-instruct)")
-    p.add_argument("--out", required=True, help="output JSONL path")
-    add_prompt_folder_arguments(p)
-    p.add_argument("--num-prompts", type=cli_args.positive_int, default=None,
-                   help="how many training prompts, >= 1 (default: all)")
-    p.add_argument("--max-prompt-tokens", type=cli_args.positive_int, default=384)
-    p.add_argument("--max-new-tokens", type=cli_args.positive_int, default=384)
-    p.add_argument("--batch-size", type=cli_args.positive_int, default=256,
-                   help="prompts per generate call (transformers) or per /generate request (--server)")
-    p.add_argument("--server", default=None, metavar="URL",
-                   help="generate with a running SGLang server of the same target (e.g. http://127.0.0.1:30000); "
-                        "--target still names the tokenizer and chat template")
-    p.add_argument("--concurrency", type=cli_args.positive_int, default=8, help="--server: requests in flight")
-    p.add_argument("--samples-per-prompt", type=cli_args.positive_int, default=1,
-                   help="sampled answers per prompt (needs --temperature > 0); ids get '#<k>'")
-    p.add_argument("--temperature", type=cli_args.temperature, default=0.0,
-                   help="0 = greedy answers (default); > 0 samples them (ids get '#<k>')")
-    p.add_argument("--top-p", type=cli_args.top_p, default=1.0,
-                   help="sampled answers: nucleus mass in (0, 1] (1 = off)")
-    p.add_argument("--top-k", type=cli_args.non_negative_int, default=0,
-                   help="sampled answers: keep the k likeliest tokens (0 = off)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", type=cli_args.device, default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("--target", default=None, help="target (default: smollm2-135m-instruct); with --server it names "
+                                                  "the tokenizer and chat template (the server must run the same)")
+    p.add_argument("--out", required=True, help="output JSONL path (written whole at the end; <out>.partial meanwhile)")
+    src = p.add_argument_group("conversations")
+    src.add_argument("--prompts", default=None, metavar="FILE",
+                     help="JSONL of conversations, per line OpenAI chat {\"messages\": [...], \"tools\"?, \"id\"?} "
+                          "or ShareGPT {\"conversations\": [{\"from\": \"human\"|\"gpt\"|\"system\"|\"tool\", "
+                          "\"value\"}]}; every assistant turn is regenerated (default: the built-in prompt mix)")
+    add_prompt_folder_arguments(src)
+    src.add_argument("--num-prompts", type=cli_args.positive_int, default=None,
+                     help="how many conversations, >= 1 (default: all; with --prompts the file's first N)")
+    src.add_argument("--decontaminate", action=argparse.BooleanOptionalAction, default=True,
+                     help="drop conversations whose user text matches an evaluation set or a held-out agentic "
+                          "trace (normalized text or a 13-word run; default on)")
+    src.add_argument("--heldout-traces", action="append", metavar="FILE", default=None,
+                     help="agentic dev traces whose held-out split is decontaminated against (repeatable; "
+                          "default: .gpu-dspine/agentic/agentic_*.jsonl when present)")
+    src.add_argument("--chat-template-kwargs", type=chat_template_kwargs, default=None, metavar="JSON",
+                     help="extra variables for the chat template, e.g. '{\"enable_thinking\": false}'")
+    lim = p.add_argument_group("lengths")
+    lim.add_argument("--max-prompt-tokens", type=cli_args.positive_int, default=None,
+                     help="skip a conversation whose first prompt is longer (default: 384 for the built-in "
+                          "prompts, no limit with --prompts)")
+    lim.add_argument("--max-new-tokens", type=cli_args.positive_int, default=384, help="per assistant turn")
+    lim.add_argument("--max-len", type=cli_args.positive_int, default=None,
+                     help="bound on a record's tokens: turns that do not fit are dropped whole, never cut "
+                          "(default: no bound)")
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--samples-per-prompt", type=cli_args.positive_int, default=1,
+                     help="sampled answers per conversation (needs --temperature > 0); ids get '#<k>'")
+    gen.add_argument("--temperature", type=cli_args.temperature, default=0.0,
+                     help="0 = greedy answers (default); > 0 samples them (ids get '#<k>')")
+    gen.add_argument("--top-p", type=cli_args.top_p, default=1.0,
+                     help="sampled answers: nucleus mass in (0, 1] (1 = off)")
+    gen.add_argument("--top-k", type=cli_args.non_negative_int, default=0,
+                     help="sampled answers: keep the k likeliest tokens (0 = off)")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--resume", action="store_true",
+                     help="keep the records already in --out and <out>.partial and generate only the rest")
+    gen.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    local = p.add_argument_group("transformers (no --server)")
+    local.add_argument("--batch-size", type=cli_args.positive_int, default=256,
+                       help="conversations per generate call")
+    local.add_argument("--device", type=cli_args.device, default=None, help="default: cuda when available, else cpu")
+    local.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    srv = p.add_argument_group("SGLang servers (--server)")
+    srv.add_argument("--server", action="append", default=None, metavar="URL",
+                     help="a running SGLang server of the same target, e.g. http://127.0.0.1:30000 (repeatable or "
+                          "comma-separated: requests go to the least loaded; a dead one is dropped)")
+    srv.add_argument("--concurrency", type=cli_args.positive_int, default=64,
+                     help="requests in flight over all servers (one per conversation turn; default 64)")
+    srv.add_argument("--retries", type=cli_args.non_negative_int, default=5,
+                     help="retries of a request on no answer, a timeout or HTTP 5xx/429, with exponential backoff")
+    srv.add_argument("--retry-backoff", type=non_negative_seconds, default=1.0, metavar="S",
+                     help="first retry's wait in seconds, doubled each time (max 30 s)")
+    srv.add_argument("--request-timeout", type=cli_args.positive_float, default=600.0, metavar="S",
+                     help="seconds without a reply before an attempt counts as failed")
+    srv.add_argument("--drop-server-after", type=non_negative_seconds, default=60.0, metavar="S",
+                     help="drop a server whose attempts all failed for this long (3 at least)")
 
 
 def add_bench_accept_arguments(p) -> None:

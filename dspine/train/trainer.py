@@ -52,11 +52,16 @@ def load_records(path: str | os.PathLike) -> list[dict]:
             try:
                 rec = json.loads(line)
                 ok = isinstance(rec["ids"], list) and isinstance(rec["answer_start"], int)
-            except (json.JSONDecodeError, KeyError, TypeError):
+                spans = rec.get("answer_spans")   # multi-turn: [[start, end), ...], ascending, inside ids
+                ok = ok and (spans is None or all(
+                    isinstance(s, int) and isinstance(e, int) and lo <= s < e <= len(rec["ids"])
+                    for (s, e), lo in zip(spans, [0] + [e for _, e in spans])))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
                 ok = False
             if not ok:
                 raise TrainConfigError(f"{path}:{lineno}: not a `dspine gen-data` record "
-                                       '({"ids": [...], "answer_start": N, ...}); regenerate the file')
+                                       '({"ids": [...], "answer_start": N, "answer_spans"?: [[start, end], ...], '
+                                       '...}); regenerate the file')
             recs.append(rec)
     return [r for r in recs if len(r["ids"]) - r["answer_start"] >= 2]
 
