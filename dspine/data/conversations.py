@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspine.data.prompts import Prompt
-from dspine.data.traces import SHAREGPT_ROLES
+from dspine.data.traces import SHAREGPT_ROLES, sharegpt_messages
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 SHAREGPT_FROM = {**SHAREGPT_ROLES, "tool": "tool", "function": "tool", "observation": "tool",
@@ -106,23 +106,8 @@ def _openai_messages(obj: dict, where: str, problems: list[str]) -> list[dict]:
 
 
 def _sharegpt_messages(obj: dict, where: str, problems: list[str]) -> list[dict]:
-    turns = obj.get("conversations")
-    if not isinstance(turns, list) or not turns:
-        problems.append(f"{where}: `conversations` must be a non-empty list of {{\"from\", \"value\"}} objects")
-        return []
-    out = []
-    if isinstance(obj.get("system"), str) and obj["system"]:
-        out.append({"role": "system", "content": obj["system"]})
-    for i, turn in enumerate(turns):
-        speaker = turn.get("from") if isinstance(turn, dict) else None
-        if speaker not in SHAREGPT_FROM:
-            problems.append(f"{where}: conversations[{i}]: bad `from` {speaker!r}; use one of "
-                            f"{', '.join(SHAREGPT_FROM)}")
-        elif not isinstance(turn.get("value"), str):
-            problems.append(f"{where}: conversations[{i}]: `value` must be the turn's text (a string)")
-        else:
-            out.append({"role": SHAREGPT_FROM[speaker], "content": turn["value"]})
-    return out
+    system = [{"role": "system", "content": obj["system"]}] if isinstance(obj.get("system"), str) and obj["system"] else []
+    return system + sharegpt_messages(obj, where, problems, SHAREGPT_FROM)
 
 
 def parse_conversation(obj, where: str, stem: str, problems: list[str]) -> Conversation | None:

@@ -180,22 +180,29 @@ def parse_openai_request(obj, where: str, problems: list[str]) -> TraceRequest |
                         extra={k: obj[k] for k in _PASSTHROUGH if k in obj}, source=where)
 
 
-def parse_sharegpt(obj, where: str, problems: list[str]) -> TraceRequest | None:
-    """A ShareGPT conversation -> the request answering its last human turn (None on problems)."""
+def sharegpt_messages(obj: dict, where: str, problems: list[str], roles: dict[str, str] = SHAREGPT_ROLES) -> list[dict]:
+    """A ShareGPT object's `conversations` -> OpenAI messages `{"role", "content"}` (speaker names
+    mapped by `roles`); every bad turn appends a problem naming it and is left out."""
     turns = obj.get("conversations")
     if not isinstance(turns, list) or not turns:
         problems.append(f"{where}: `conversations` must be a non-empty list of {{\"from\", \"value\"}} objects")
-        return None
-    messages, start = [], len(problems)
+        return []
+    messages = []
     for i, turn in enumerate(turns):
         speaker = turn.get("from") if isinstance(turn, dict) else None
-        if speaker not in SHAREGPT_ROLES:
-            problems.append(f"{where}: conversations[{i}]: bad `from` {speaker!r}; use one of "
-                            f"{', '.join(SHAREGPT_ROLES)}")
+        if speaker not in roles:
+            problems.append(f"{where}: conversations[{i}]: bad `from` {speaker!r}; use one of {', '.join(roles)}")
         elif not isinstance(turn.get("value"), str):
             problems.append(f"{where}: conversations[{i}]: `value` must be the turn's text (a string)")
         else:
-            messages.append({"role": SHAREGPT_ROLES[speaker], "content": turn["value"]})
+            messages.append({"role": roles[speaker], "content": turn["value"]})
+    return messages
+
+
+def parse_sharegpt(obj, where: str, problems: list[str]) -> TraceRequest | None:
+    """A ShareGPT conversation -> the request answering its last human turn (None on problems)."""
+    start = len(problems)
+    messages = sharegpt_messages(obj, where, problems)
     if len(problems) > start:
         return None
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
