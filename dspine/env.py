@@ -120,6 +120,8 @@ DSPINE_PRESETS_DIR = _path_var("DSPINE_PRESETS_DIR", "Extra `dspine serve` prese
 # --- inside an SGLang server (read by the plugin and the DSPINE worker) ---------------------------
 DSPINE_DYNAMIC = _path_var("DSPINE_DYNAMIC", "Switch file: per decode step, draft or decode plainly (or forced).")
 DSPINE_RECORD_CONFIDENCE = _bool_var("DSPINE_RECORD_CONFIDENCE", "Record drafter confidence in /server_info.")
+DSPINE_ROUND_GRAPH = _declare("DSPINE_ROUND_GRAPH", True, "Greedy rounds as captured graphs (0: SGLang's path).",
+                              "0 or 1", _bool)
 SGLANG_RAGGED_VERIFY_MODE = _declare("SGLANG_RAGGED_VERIFY_MODE", "static", "SGLang's verify-width mode.",
                                      "static or another SGLang mode", str)
 SGLANG_RECORD_STEP_TIME = _bool_var("SGLANG_RECORD_STEP_TIME", "Step-time recording (per step kind in DSPINE).")

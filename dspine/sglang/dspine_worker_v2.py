@@ -70,6 +70,7 @@ from dspine.dynamic.switch import ServingSwitch, SwitchConfig
 from dspine.sglang import compat, step_clock
 from dspine.sglang.draft_model import DSpineDraftModel
 from dspine.sglang.plain_step import PlainStep, tag_verify_tokens
+from dspine.sglang.round_graph import RoundGraphs, build_round_graphs
 from dspine.sglang.token_history import SlotTokenHistory
 from dspine.serve.flags import FlagError, check_switch_target, resolve_step_switch
 
@@ -192,6 +193,7 @@ class DSpineWorkerV2(DFlashWorkerV2):
     _plain_tokens: Optional[int] = None
     _record_steps = False
     _history: Optional[SlotTokenHistory] = None
+    _round_graphs: Optional[RoundGraphs] = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -265,6 +267,7 @@ class DSpineWorkerV2(DFlashWorkerV2):
     def init_cuda_graphs(self):
         self._attach_token_history()      # SGLang's request pool exists by now; the draft graph reads the history
         super().init_cuda_graphs()
+        self._round_graphs = build_round_graphs(self, history=self._history)
         if self._step_policy in ("dynamic", "plain"):
             check_switch_target(self._step_policy, self._need_mamba_verify_commit)
             self._plain_step = PlainStep(self, self._plain_tokens)
@@ -314,13 +317,17 @@ class DSpineWorkerV2(DFlashWorkerV2):
         return self.draft_model.candidate_selector is not None and not compat.has_selector_seam()
 
     def forward_batch_generation(self, batch, *args, **kwargs):
+        verify_step = _is_verify_step(batch)
+        drafts = verify_step and self._drafts_this_step(batch)
+        if drafts and self._round_graphs is not None and self._round_graphs.can_run(batch):
+            return self._round_step(batch, kwargs.get("on_publish", args[0] if args else None))
         if self._history is None:
-            return self._forward_step(batch, *args, **kwargs)
-        history, verify_step = self._history, _is_verify_step(batch)
+            return self._forward_step(batch, verify_step, drafts, *args, **kwargs)
+        history = self._history
         if verify_step:   # the anchor sits at position seq_lens; the step commits after it
             slots, prefix = batch.req_pool_indices.clone(), batch.seq_lens.clone()
             history.prepare_draft(slots, prefix)
-        result = self._forward_step(batch, *args, **kwargs)
+        result = self._forward_step(batch, verify_step, drafts, *args, **kwargs)
         if verify_step:
             history.write_committed(slots, prefix, result.next_token_ids.view(len(batch.reqs), -1))
         elif batch.forward_mode.is_extend() or getattr(batch, "is_extend_in_batch", False):
@@ -328,11 +335,20 @@ class DSpineWorkerV2(DFlashWorkerV2):
                                   result.next_token_ids)
         return result
 
-    def _forward_step(self, batch, *args, **kwargs):
+    def _round_step(self, batch, on_publish):
+        """A greedy drafted round through the captured round graphs (history writes included)."""
         started = time.perf_counter() if self._record_steps else 0.0
         self.draft_model.ensure_transfer_table(serving=True)
-        verify_step = _is_verify_step(batch)
-        if verify_step and not self._drafts_this_step(batch):
+        if self._record_steps:
+            step_clock.CLOCK.tick("draft", len(batch.reqs), started)
+        result = self._round_graphs.run(batch, on_publish)
+        self._after_drafted_step(batch, result)
+        return result
+
+    def _forward_step(self, batch, verify_step: bool, drafts: bool, *args, **kwargs):
+        started = time.perf_counter() if self._record_steps else 0.0
+        self.draft_model.ensure_transfer_table(serving=True)
+        if verify_step and not drafts:
             if self._record_steps:
                 step_clock.CLOCK.tick("plain", len(batch.reqs), started)
             if getattr(batch, "return_logprob", False):
@@ -344,11 +360,15 @@ class DSpineWorkerV2(DFlashWorkerV2):
         if verify_step and self._needs_track_refresh():
             compat.prepare_mamba_track_for_verify(batch)
         result = super().forward_batch_generation(batch, *args, **kwargs)
-        if verify_step and self._switch is not None:
-            self._record_drafted_step(batch, result)
-        if verify_step and getattr(self, "_dspine_record_confidence", False):
-            attach_confidence_record(result, self.draft_model)
+        if verify_step:
+            self._after_drafted_step(batch, result)
         return result
+
+    def _after_drafted_step(self, batch, result) -> None:
+        if self._switch is not None:
+            self._record_drafted_step(batch, result)
+        if getattr(self, "_dspine_record_confidence", False):
+            attach_confidence_record(result, self.draft_model)
 
     def _needs_track_refresh(self) -> bool:
         """0.5.17 on a ReplaySSM target: DFlash's verify leaves the batch's GDN track slots at the

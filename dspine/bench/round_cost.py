@@ -1,0 +1,183 @@
+"""Round-cost benchmark: AR's decode step against a speculative round, side by side, with host time.
+
+For each config (AR, DSPINE, DSPINE-eager, DFLASH, NGRAM) a server already runs (`--url NAME=URL`),
+started with `DSPINE_STEP_PROFILE=DIR` (`--profile-dir NAME=DIR`, same machine) and
+`DSPINE_STEP_PROFILE_PHASES` = the number of concurrency levels. Per config and concurrency c:
+
+1. Step profile: greedy chat requests at c in flight until the server's profiler has written the
+   level's phase (`dspine.sglang.step_profile`): `ms_per_step` = server-side wall time per decode
+   step (AR) or round (speculative), prefills excluded; `host_ms_per_step` = host time inside the
+   scheduler's methods per step (`ms_per_step_in`, summed: under overlap scheduling a step is
+   host-bound when this is close to `ms_per_step`).
+2. Throughput: `--prompts` greedy chat requests (`--workload`: an evaluation set or the five-set
+   mix) at c in flight, non-streamed with meta_info: `output_tok_per_s` (completion tokens / wall
+   time) and `accept_len` (completion tokens / verify steps; 1.0 for AR).
+
+DSPINE-eager is a DSPINE server with `DSPINE_ROUND_GRAPH=0` (SGLang's DFlash round, step by step),
+the control for the captured round. The table puts each config's ms per step over AR's at the same
+concurrency (T_round / T_step).
+
+Writes OUT_DIR/<results-name>.json: `{"device", "date", "command", "sglang", "runs": [{"config",
+"shape", "workload", "concurrency", "prompt_tokens", "ms_per_step", "host_ms_per_step",
+"output_tok_per_s", "accept_len", "mean_batch_size"}]}`; runs of other shapes or configs already in
+the file are kept (one file gathers SmolLM2 and 8B-shaped servers), as are its `soak` and
+`deterministic_parity` sections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from dspine.bench.chat_client import chat_body, load_prompt_mix, load_set_prompts, run_level
+from dspine.bench.copy_candidates import detect_device
+from dspine.bench.launchers import parse_urls
+from dspine.bench.results import BenchError, check_schema, command_line, write_results
+from dspine.data.eval_sets import EVAL_SETS
+from dspine.sglang.step_profile import drive
+from dspine.utils.http import HttpClient, HttpError
+
+CONFIGS = ("AR", "DSPINE", "DSPINE-eager", "DFLASH", "NGRAM")
+RESULTS_NAME = "round_cost_h200"
+RUN_SCHEMA = {"config": str, "shape": str, "workload": str, "concurrency": int, "prompt_tokens": int,
+              "ms_per_step": float, "host_ms_per_step": float, "output_tok_per_s": float, "accept_len": float}
+RESULTS_SCHEMA = {"device": str, "date": str, "command": str, "sglang": str, "runs": [RUN_SCHEMA]}
+
+
+def profile_record(profile_dir: Path, phase: int) -> dict:
+    """The step profiler's record of `phase` (1-based, the server's phase files in order)."""
+    files = sorted(profile_dir.glob("*-phase*.json"))
+    if len(files) < phase:
+        raise BenchError(f"{profile_dir}: {len(files)} phase records, phase {phase} wanted (was the server "
+                         "started with DSPINE_STEP_PROFILE set to this folder, and enough phases?)")
+    return json.loads(files[phase - 1].read_text())
+
+
+def host_ms(record: dict) -> float:
+    """Host milliseconds per decode step: the scheduler's timed methods, summed."""
+    return float(sum(record["ms_per_step_in"].values()))
+
+
+def prompt_tokens(base: str, bodies: list[dict], timeout: float) -> int:
+    """Mean prompt tokens of `bodies` as the server counts them (one 1-token request each)."""
+    client = HttpClient(base, timeout=timeout, retries=1)
+    counts = []
+    for body in bodies:
+        usage = client.post("/v1/chat/completions", {**body, "max_tokens": 1})["usage"]
+        counts.append(int(usage["prompt_tokens"]))
+    return round(statistics.fmean(counts))
+
+
+def measure_config(name: str, base: str, profile_dir: Path | None, args, bodies: list[dict]) -> list[dict]:
+    """Every concurrency level of one config: step profile (when given a folder), then throughput."""
+    runs = []
+    tokens = prompt_tokens(base, bodies[: min(8, len(bodies))], args.request_timeout)
+    for level, c in enumerate(args.concurrency, 1):
+        row = {"config": name, "shape": args.shape, "workload": args.workload, "concurrency": c,
+               "prompt_tokens": tokens}
+        if profile_dir is not None:
+            load = drive(base, profile_dir, bodies, c, want_files=level, timeout_s=args.profile_timeout)
+            if not load["phase_done"]:
+                raise BenchError(f"{name}: the step profile's phase {level} (c={c}) did not finish within "
+                                 f"{args.profile_timeout:.0f} s ({load['tokens']} tokens sent)")
+            record = profile_record(profile_dir, level)
+            row.update(ms_per_step=float(record["ms_per_step"]), host_ms_per_step=host_ms(record),
+                       mean_batch_size=float(record["mean_batch_size"]))
+        stats, _ = run_level(base, bodies[: max(args.prompts, c)], c, args.request_timeout, streamed=False)
+        row.update(output_tok_per_s=float(stats["output_tok_per_s"]), accept_len=float(stats["accept_len"]))
+        runs.append(row)
+        print(f"{name:<13} c={c:<3} " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                                for k, v in row.items() if k not in ("config", "concurrency")),
+              flush=True)
+    return runs
+
+
+def table(results: dict) -> str:
+    """ms per step (and / AR's at the same shape and concurrency), host ms, tok/s, accept length."""
+    ar = {(r["shape"], r["concurrency"]): r["ms_per_step"] for r in results["runs"]
+          if r["config"] == "AR" and "ms_per_step" in r}
+    lines = [f"{'config':<13}{'shape':<15}{'c':>4}{'ms/step':>10}{'/ AR':>8}{'host ms':>10}{'tok/s':>10}{'accept':>8}"]
+    for r in sorted(results["runs"], key=lambda r: (r["shape"], r["concurrency"], CONFIGS.index(r["config"]))):
+        ms = r.get("ms_per_step")
+        ref = ar.get((r["shape"], r["concurrency"]))
+        lines.append(f"{r['config']:<13}{r['shape']:<15}{r['concurrency']:>4}"
+                     f"{'-' if ms is None else f'{ms:.3f}':>10}{f'{ms / ref:.2f}x' if ms and ref else '-':>8}"
+                     f"{'-' if r.get('host_ms_per_step') is None else format(r['host_ms_per_step'], '.3f'):>10}"
+                     f"{r['output_tok_per_s']:>10.1f}{r['accept_len']:>8.2f}")
+    return "\n".join(lines)
+
+
+def merge(old: dict | None, new_runs: list[dict], header: dict) -> dict:
+    """`header` and `new_runs`, plus the old file's runs of other (config, shape, workload,
+    concurrency) keys and its soak / parity sections."""
+    key = lambda r: (r["config"], r["shape"], r["workload"], r["concurrency"])  # noqa: E731
+    fresh = {key(r) for r in new_runs}
+    kept = [r for r in (old or {}).get("runs", []) if key(r) not in fresh]
+    merged = {**{k: v for k, v in (old or {}).items() if k not in header and k != "runs"}, **header,
+              "runs": kept + new_runs}
+    return merged
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        description="T_step against T_round, with host time per step, for servers already running "
+                    "(see the module docstring for how to start them).",
+        epilog="Example: DSPINE_STEP_PROFILE=/tmp/prof/AR sglang serve ... (and one per config), then "
+               "python scripts/bench_round_cost.py --url AR=http://127.0.0.1:30020 --profile-dir AR=/tmp/prof/AR "
+               "--url DSPINE=http://127.0.0.1:30021 --profile-dir DSPINE=/tmp/prof/DSPINE --shape smollm2-135m")
+    p.add_argument("--url", action="append", default=[], metavar="NAME=URL", required=True,
+                   help="a running server per config; NAME one of " + ", ".join(CONFIGS))
+    p.add_argument("--profile-dir", action="append", default=[], metavar="NAME=DIR",
+                   help="that server's DSPINE_STEP_PROFILE folder (without it: no ms_per_step / host time)")
+    p.add_argument("--shape", required=True, help="label of the target's shape, e.g. smollm2-135m or qwen3-8b")
+    p.add_argument("--workload", default="mix", help="an evaluation set (%s) or mix (default)" % ", ".join(EVAL_SETS))
+    p.add_argument("--prompts-dir", type=Path, default=None, help="exported evaluation prompts (eval-<set>.jsonl)")
+    p.add_argument("--prompts", type=int, default=32, help="requests per throughput level (at least c)")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--served-model", default="default")
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--profile-timeout", type=float, default=120.0, help="seconds per step-profile phase")
+    p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--results-name", default=RESULTS_NAME)
+    args = p.parse_args(argv)
+    args.urls = parse_urls(args.url)
+    args.profiles = {k: Path(v) for k, v in (item.split("=", 1) for item in args.profile_dir)}
+    unknown = (set(args.urls) | set(args.profiles)) - set(CONFIGS)
+    if unknown:
+        p.error(f"unknown config(s) {sorted(unknown)}; choose from {', '.join(CONFIGS)} (as NAME=...)")
+    if args.workload != "mix" and args.workload not in EVAL_SETS:
+        p.error(f"--workload {args.workload}: one of {', '.join(EVAL_SETS)} or mix")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    n = max(args.prompts, max(args.concurrency))
+    prompts = (load_prompt_mix(n, args.prompts_dir) if args.workload == "mix"
+               else load_set_prompts(args.workload, n, args.prompts_dir))
+    bodies = [chat_body(p, args.served_model, args.max_tokens) for p in prompts]
+    runs, info = [], {}
+    try:
+        for name in [c for c in CONFIGS if c in args.urls]:
+            base = args.urls[name].rstrip("/")
+            info = info or HttpClient(base, timeout=30, retries=1).get("/server_info")
+            runs += measure_config(name, base, args.profiles.get(name), args, bodies)
+    except (BenchError, HttpError) as exc:
+        print(f"round cost: {exc}", file=sys.stderr)
+        if not runs:
+            return 1
+    path = args.out_dir / f"{args.results_name}.json"
+    old = json.loads(path.read_text()) if path.is_file() else None
+    header = {"device": detect_device(info), "date": datetime.date.today().isoformat(),
+              "command": command_line(argv), "sglang": str(info.get("version", "unknown"))}
+    results = merge(old, runs, header)
+    check_schema({**results, "runs": [r for r in results["runs"] if "ms_per_step" in r]}, RESULTS_SCHEMA)
+    write_results(results, args.out_dir, args.results_name)
+    print(table(results))
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,168 @@
+"""`RoundGraphs.run` end to end on CPU, its five stages run eagerly: fake draft and target runners
+(recording what `load_batch` was given, "replaying" a known drafter and target) stand in for
+SGLang's captured forwards. Checked against greedy verification done by hand: the runners' inputs
+(anchor, masks, positions, KV slots, padding rows), the committed tokens and lengths, the drafter-KV
+append, the token history, and that a result survives the next round (the output ring)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from dspine.sglang.round_graph import RoundGraphs  # noqa: E402
+from dspine.sglang.token_history import SlotTokenHistory  # noqa: E402
+
+B, V, H, MASK = 4, 50, 6, 49
+
+
+def successor(x):
+    """The fake target's greedy continuation of token x."""
+    return (x * 7 + 3) % (V - 1)
+
+
+class FakeBackend:
+    def __init__(self, replay):
+        self._graphs, self._outputs, self.replay = {}, {}, replay
+
+    def add(self, key, output):
+        self._graphs[key] = SimpleNamespace(replay=self.replay)
+        self._outputs[key] = output
+
+
+class FakeRunner:
+    """Records the batch `load_batch` got (as SGLang's runner copies it into its buffers)."""
+
+    def __init__(self, role, replay, sizes, output=None):
+        self.role, self.loaded = role, None
+        self.backend = FakeBackend(replay)
+        self.model_runner = SimpleNamespace(spec_algorithm=None)
+        for n in sizes:
+            self.backend.add((role, n), output(n) if output else None)
+
+    def load_batch(self, fb):
+        self.loaded = {k: getattr(fb, k).clone() for k in ("input_ids", "positions", "out_cache_loc",
+                                                          "req_pool_indices", "seq_lens")}
+        if fb.input_embeds is not None:
+            self.loaded["input_embeds"] = fb.input_embeds.clone()
+        self._replay_graph_key = (self.role, fb.batch_size)
+
+
+def build(sizes, wrong_at):
+    """A RoundGraphs over fakes. The drafter proposes the target's continuation chain from the anchor,
+    except row r's proposal at position wrong_at[r] (1-based; B = none wrong)."""
+    req_to_token = torch.zeros((6, 64), dtype=torch.int32)
+    for slot in range(1, 6):                       # slot 0: SGLang's padding row, all zeros
+        req_to_token[slot] = torch.arange(64, dtype=torch.int32) + 100 * slot
+    embed = torch.nn.Embedding(V, H)
+    appended = []
+    worker = SimpleNamespace(
+        block_size=B, _mask_token_id=MASK, device=torch.device("cpu"), _draft_block_spec_info=None,
+        target_worker=SimpleNamespace(model_runner=SimpleNamespace(
+            req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+            model=SimpleNamespace(get_input_embeddings=lambda: embed))),
+        _append_target_hidden_to_draft_kv_by_loc=lambda **kw: appended.append(
+            {k: v.clone() for k, v in kw.items()}),
+        _make_next_draft_input_decode=lambda bonus_tokens, new_seq_lens: SimpleNamespace(
+            bonus_tokens=bonus_tokens, new_seq_lens=new_seq_lens))
+    sampler = SimpleNamespace(out=torch.zeros(max(sizes) * (B - 1), dtype=torch.int64))
+    outputs = {}
+
+    def draft_replay():
+        ids = draft.loaded["input_ids"].view(-1, B)
+        n = ids.shape[0]
+        proposals = torch.zeros((n, B - 1), dtype=torch.int64)
+        for row in range(n):
+            token = int(ids[row, 0])
+            for j in range(B - 1):
+                token = successor(token)
+                proposals[row, j] = token if j + 1 != wrong_at.get(row, B) else (token + 1) % (V - 1)
+        sampler.out[: n * (B - 1)] = proposals.view(-1)
+
+    def target_output(n):
+        outputs[n] = SimpleNamespace(next_token_logits=torch.zeros((n * B, V)), hidden_states=torch.zeros((n * B, 3)))
+        return outputs[n]
+
+    def target_replay():
+        ids = target.loaded["input_ids"]
+        n = ids.numel() // B
+        out = outputs[n]
+        out.next_token_logits.zero_()
+        out.next_token_logits[torch.arange(n * B), successor(ids)] = 1.0
+        out.hidden_states.copy_(ids.to(torch.float32)[:, None].expand(-1, 3))
+
+    draft = FakeRunner("draft", draft_replay, sizes)
+    target = FakeRunner("target", target_replay, sizes, output=target_output)
+    history = SlotTokenHistory(pool_rows=6, max_context_len=64, block_size=B, window=16, max_bs=max(sizes),
+                               device="cpu")
+    graphs = RoundGraphs(worker, draft_runner=draft, target_runner=target, draft_sampler=sampler, sizes=sizes,
+                         history=history)
+    for n in graphs.sizes:                         # the stages run eagerly in place of their graphs
+        graphs._runner_keys[("draft", n)], graphs._runner_keys[("target", n)] = ("draft", n), ("target", n)
+        graphs._graphs.update({(name, n): fn for name, fn in graphs.stages(n).items()})
+    return graphs, draft, target, appended, history, embed
+
+
+def decode_batch(slots, seq_lens, anchors):
+    return SimpleNamespace(reqs=[object()] * len(slots), req_pool_indices=torch.tensor(slots),
+                           seq_lens=torch.tensor(seq_lens), spec_info=SimpleNamespace(bonus_tokens=torch.tensor(anchors)),
+                           sampling_info=None, out_cache_loc=None)
+
+
+def test_a_padded_round_commits_what_greedy_verification_commits():
+    graphs, draft, target, appended, history, embed = build([1, 2, 4], wrong_at={0: 2, 2: 1})
+    slots, lens, anchors = [3, 1, 5], [10, 4, 7], [11, 12, 13]
+    result = graphs.run(decode_batch(slots, lens, anchors))
+
+    # The drafter saw anchor + masks at positions seq_len.., in the rows' KV slots; row 3 is padding.
+    ids = draft.loaded["input_ids"].view(4, B)
+    assert ids[:3, 0].tolist() == anchors and (ids[:3, 1:] == MASK).all()
+    assert draft.loaded["positions"].view(4, B)[:3].tolist() == [list(range(s, s + B)) for s in lens]
+    assert draft.loaded["out_cache_loc"].view(4, B)[:3].tolist() == [
+        [100 * slot + s + j for j in range(B)] for slot, s in zip(slots, lens)]
+    assert draft.loaded["req_pool_indices"].tolist() == slots + [0]
+    assert draft.loaded["seq_lens"].tolist() == lens + [1]
+    assert (draft.loaded["out_cache_loc"].view(4, B)[3] == 0).all()          # padded writes go to slot 0
+    torch.testing.assert_close(draft.loaded["input_embeds"], embed(ids.view(-1)))
+    assert target.loaded["input_ids"].view(4, B)[:, 0].tolist() == anchors + [0]
+
+    # Greedy verification by hand: chains from each anchor; row 0 wrong at proposal 2, row 2 at 1.
+    expected_commit = [2, B, 1]
+    tokens = result.next_token_ids.view(3, B)
+    for row, (anchor, commit) in enumerate(zip(anchors, expected_commit)):
+        chain, token = [], anchor
+        for _ in range(commit):
+            token = successor(token)
+            chain.append(token)
+        assert tokens[row, :commit].tolist() == chain
+        assert int(result.next_draft_input.bonus_tokens[row]) == chain[-1]
+    assert result.accept_lens.tolist() == expected_commit
+    assert result.new_seq_lens.tolist() == [s + c for s, c in zip(lens, expected_commit)]
+    assert result.speculative_num_draft_tokens == B and result.can_run_cuda_graph
+
+    # Drafter KV: the target hidden of all 4 x B verify rows, with each row's commit length.
+    kv = appended[-1]
+    assert kv["commit_lens"].tolist()[:3] == expected_commit
+    assert kv["cache_loc_2d"].tolist() == draft.loaded["out_cache_loc"].view(4, B).tolist()
+    # Token history: anchor at seq_len, then the committed tokens.
+    for row, (slot, start, commit) in enumerate(zip(slots, lens, expected_commit)):
+        assert history.ids[slot, start + 1: start + 1 + commit].tolist() == tokens[row, :commit].tolist()
+
+
+def test_a_result_survives_the_next_round():
+    graphs, *_ = build([1, 2], wrong_at={})
+    first = graphs.run(decode_batch([2], [5], [7]))
+    kept = first.next_token_ids.clone(), first.new_seq_lens.clone()
+    second = graphs.run(decode_batch([2, 4], [9, 3], [8, 9]))
+    assert first.next_token_ids.tolist() == kept[0].tolist() and first.new_seq_lens.tolist() == kept[1].tolist()
+    assert second.new_seq_lens.tolist() == [9 + B, 3 + B]
+
+
+def test_batches_past_the_largest_size_or_not_greedy_are_refused():
+    graphs, *_ = build([1, 2], wrong_at={})
+    assert graphs.can_run(decode_batch([1, 2], [3, 3], [1, 1]))
+    assert not graphs.can_run(decode_batch([1, 2, 3], [3, 3, 3], [1, 1, 1]))
+    sampled = decode_batch([1], [3], [1])
+    sampled.sampling_info = SimpleNamespace(is_all_greedy=False)
+    assert not graphs.can_run(sampled)

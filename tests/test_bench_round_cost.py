@@ -1,0 +1,119 @@
+"""dspine/bench/round_cost.py against stub servers and pre-written step-profile records: the results
+schema, ms per step and host time read from the right phase, accept length from meta_info, the
+table's T_round / T_step, runs of other shapes kept on a rerun, and a missing phase named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import JsonHandler, start_server
+
+from dspine.bench import round_cost as bench
+from dspine.data.eval_sets import EVAL_SETS
+
+VERIFY = {"AR": None, "DSPINE": 4, "NGRAM": 6}     # verify steps per 12-token answer
+
+
+class Stub(JsonHandler):
+    def do_GET(self):
+        self.send_json({"version": "0.5.17-stub", "gpu_name": "Stub GPU"})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = body["max_tokens"]
+        verify = VERIFY[self.server.name]
+        meta = {"completion_tokens": n, **({"spec_verify_ct": verify} if verify and n > 1 else {})}
+        self.send_json({"choices": [{"index": 0, "message": {"role": "assistant", "content": "t " * n},
+                                     "meta_info": meta, "finish_reason": "length"}],
+                        "usage": {"prompt_tokens": 40, "completion_tokens": n}})
+
+
+@pytest.fixture
+def servers():
+    live = {}
+    for name in VERIFY:
+        server = start_server(Stub)
+        server.name = name
+        live[name] = server
+    yield live
+    for server in live.values():
+        server.shutdown()
+        server.server_close()
+
+
+def write_phases(folder, ms, host_parts):
+    """Step-profile records for phases 1 (c=1) and 2 (c=16), as the server's profiler writes them."""
+    folder.mkdir(parents=True)
+    for phase, scale in ((1, 1.0), (2, 2.0)):
+        record = {"mean_batch_size": 1.0 if phase == 1 else 15.5, "ms_per_step": ms * scale,
+                  "ms_per_step_in": {k: v * scale for k, v in host_parts.items()}}
+        (folder / f"123-phase{phase}.json").write_text(json.dumps(record))
+
+
+@pytest.fixture
+def prompts_dir(tmp_path):
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    for name in EVAL_SETS:
+        lines = [json.dumps({"id": f"{name}-{i}", "source": name, "messages": [{"role": "user", "content": f"q-{name}-{i}"}]})
+                 for i in range(8)]
+        (folder / f"eval-{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def run(servers, tmp_path, prompts_dir, *extra):
+    argv = ["--shape", "smollm2-135m", "--prompts-dir", str(prompts_dir), "--prompts", "6", "--max-tokens", "12",
+            "--concurrency", "1,16", "--out-dir", str(tmp_path / "out")]
+    for name, server in servers.items():
+        argv += ["--url", f"{name}={server.url}", "--profile-dir", f"{name}={tmp_path / 'prof' / name}"]
+    return bench.main(argv + list(extra))
+
+
+def test_runs_read_each_phase_and_the_table_divides_by_ar(servers, tmp_path, prompts_dir, capsys):
+    write_phases(tmp_path / "prof" / "AR", 1.2, {"run_batch": 0.8, "process_batch_result": 0.1})
+    write_phases(tmp_path / "prof" / "DSPINE", 1.8, {"run_batch": 1.0, "get_next_batch_to_run": 0.2})
+    write_phases(tmp_path / "prof" / "NGRAM", 3.0, {"run_batch": 2.5})
+    assert run(servers, tmp_path, prompts_dir) == 0
+    results = json.loads((tmp_path / "out" / "round_cost_h200.json").read_text())
+    bench.check_schema(results, bench.RESULTS_SCHEMA)
+    assert results["device"] == "Stub GPU" and results["sglang"] == "0.5.17-stub"   # no nvidia-smi here
+    rows = {(r["config"], r["concurrency"]): r for r in results["runs"]}
+    assert rows[("DSPINE", 1)]["ms_per_step"] == pytest.approx(1.8)
+    assert rows[("DSPINE", 16)]["ms_per_step"] == pytest.approx(3.6)             # phase 2 for the second level
+    assert rows[("DSPINE", 1)]["host_ms_per_step"] == pytest.approx(1.2)         # the timed methods, summed
+    assert rows[("AR", 16)]["host_ms_per_step"] == pytest.approx(1.8)
+    assert rows[("DSPINE", 1)]["accept_len"] == pytest.approx(3.0) and rows[("AR", 1)]["accept_len"] == 1.0
+    assert rows[("NGRAM", 1)]["accept_len"] == pytest.approx(2.0)
+    assert rows[("AR", 1)]["prompt_tokens"] == 40 and rows[("DSPINE", 16)]["mean_batch_size"] == 15.5
+    out = capsys.readouterr().out
+    assert "1.50x" in out and "2.50x" in out                                    # T_round / T_step at c=1
+
+
+def test_a_rerun_keeps_other_shapes_and_sections(servers, tmp_path, prompts_dir):
+    for name in VERIFY:
+        write_phases(tmp_path / "prof" / name, 2.0, {"run_batch": 1.0})
+    out = tmp_path / "out"
+    out.mkdir()
+    other = {"config": "AR", "shape": "qwen3-8b", "workload": "mix", "concurrency": 1, "prompt_tokens": 100,
+             "ms_per_step": 5.0, "host_ms_per_step": 1.0, "output_tok_per_s": 190.0, "accept_len": 1.0}
+    (out / "round_cost_h200.json").write_text(json.dumps({"runs": [other], "soak": {"config": "DSPINE"}}))
+    assert run(servers, tmp_path, prompts_dir) == 0
+    results = json.loads((out / "round_cost_h200.json").read_text())
+    assert other in results["runs"] and results["soak"] == {"config": "DSPINE"}
+    assert len(results["runs"]) == 1 + 2 * len(VERIFY)
+
+
+def test_a_phase_the_server_never_wrote_is_named(servers, tmp_path, prompts_dir, capsys):
+    write_phases(tmp_path / "prof" / "AR", 1.2, {"run_batch": 0.8})
+    (tmp_path / "prof" / "DSPINE").mkdir(parents=True)
+    write_phases(tmp_path / "prof" / "NGRAM", 3.0, {"run_batch": 2.5})
+    assert run(servers, tmp_path, prompts_dir, "--profile-timeout", "1") == 0    # AR measured, then it stops
+    assert "phase 1 (c=1) did not finish" in capsys.readouterr().err
+    results = json.loads((tmp_path / "out" / "round_cost_h200.json").read_text())
+    assert {r["config"] for r in results["runs"]} == {"AR"}
+
+
+def test_unknown_config_names_are_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        bench.main(["--url", "EAGLE=http://127.0.0.1:1", "--shape", "x"])

@@ -1,0 +1,56 @@
+"""The captured round's accept rule and its eligibility test, against a plain loop and SGLang's
+own greedy-verify conditions (`dspine.sglang.round_graph`; no SGLang needed)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dspine.sglang.round_graph import accept_greedy, greedy_round_ok
+
+
+def accept_by_loop(verify_ids, top1, prefix):
+    """Greedy verification one row and one position at a time."""
+    rows = []
+    for ids, target, start in zip(verify_ids.tolist(), top1.tolist(), prefix.tolist()):
+        accepted = 0
+        while accepted < len(ids) - 1 and ids[accepted + 1] == target[accepted]:
+            accepted += 1
+        committed = ids[1: accepted + 1] + [target[accepted]]
+        rows.append((committed, accepted + 1, target[accepted], start + accepted + 1))
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_accept_rule_matches_a_loop_over_positions(seed):
+    gen = torch.Generator().manual_seed(seed)
+    n, width, vocab = 7, 16, 5         # a tiny vocabulary: long accepted runs and every cut point occur
+    top1 = torch.randint(0, vocab, (n, width), generator=gen)
+    verify = torch.randint(0, vocab, (n, width), generator=gen)
+    run = torch.randint(0, width, (n,), generator=gen)
+    for row in range(n):                # force an accepted prefix of run[row] proposals
+        verify[row, 1: run[row] + 1] = top1[row, : run[row]]
+    verify[0, 1:] = top1[0, :-1]        # one row accepts the whole block
+    prefix = torch.randint(1, 1000, (n,), generator=gen)
+    out, commit, bonus, new_lens = accept_greedy(verify, top1, prefix)
+    assert out.dtype == bonus.dtype == new_lens.dtype == torch.int64 and commit.dtype == torch.int32
+    for row, (committed, length, bonus_id, new_len) in enumerate(accept_by_loop(verify, top1, prefix)):
+        assert int(commit[row]) == length and int(bonus[row]) == bonus_id and int(new_lens[row]) == new_len
+        assert out[row, :length].tolist() == committed
+    assert int(commit[0]) == width
+
+
+def test_only_plain_greedy_batches_take_the_captured_round():
+    greedy = SimpleNamespace(is_all_greedy=True, has_custom_logit_processor=False, logit_bias=None,
+                             acc_linear_penalties=None, grammar_mask=None, vocab_mask=None,
+                             penalizer_orchestrator=SimpleNamespace(is_required=False))
+    assert greedy_round_ok(SimpleNamespace(sampling_info=greedy))
+    assert greedy_round_ok(SimpleNamespace(sampling_info=None))
+    changed = {"is_all_greedy": False, "has_custom_logit_processor": True, "logit_bias": torch.zeros(1),
+               "acc_linear_penalties": torch.zeros(1), "grammar_mask": object(), "vocab_mask": torch.zeros(1),
+               "penalizer_orchestrator": SimpleNamespace(is_required=True)}
+    for name, value in changed.items():
+        info = SimpleNamespace(**{**vars(greedy), name: value})
+        assert not greedy_round_ok(SimpleNamespace(sampling_info=info)), name
+    assert not greedy_round_ok(SimpleNamespace(sampling_info=greedy, return_logprob=True))
+    assert not greedy_round_ok(SimpleNamespace(sampling_info=greedy, has_grammar=True))
