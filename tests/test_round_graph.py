@@ -42,12 +42,13 @@ def test_accept_rule_matches_a_loop_over_positions(seed):
 
 def test_only_plain_greedy_batches_take_the_captured_round():
     greedy = SimpleNamespace(is_all_greedy=True, has_custom_logit_processor=False, logit_bias=None,
-                             acc_linear_penalties=None, grammar_mask=None, vocab_mask=None,
-                             penalizer_orchestrator=SimpleNamespace(is_required=False))
+                             acc_additive_penalties=None, acc_scaling_penalties=None, grammar_mask=None,
+                             vocab_mask=None, penalizer_orchestrator=None)   # the worker's copy_for_forward
     assert greedy_round_ok(SimpleNamespace(sampling_info=greedy))
     assert greedy_round_ok(SimpleNamespace(sampling_info=None))
     changed = {"is_all_greedy": False, "has_custom_logit_processor": True, "logit_bias": torch.zeros(1),
-               "acc_linear_penalties": torch.zeros(1), "grammar_mask": object(), "vocab_mask": torch.zeros(1),
+               "acc_additive_penalties": torch.zeros(1), "acc_scaling_penalties": torch.ones(1),
+               "grammar_mask": object(), "vocab_mask": torch.zeros(1),
                "penalizer_orchestrator": SimpleNamespace(is_required=True)}
     for name, value in changed.items():
         info = SimpleNamespace(**{**vars(greedy), name: value})

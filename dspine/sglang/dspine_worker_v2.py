@@ -70,7 +70,7 @@ from dspine.dynamic.switch import ServingSwitch, SwitchConfig
 from dspine.sglang import compat, step_clock
 from dspine.sglang.draft_model import DSpineDraftModel
 from dspine.sglang.plain_step import PlainStep, tag_verify_tokens
-from dspine.sglang.round_graph import RoundGraphs, build_round_graphs
+from dspine.sglang.round_graph import RoundGraphs, build_round_graphs, has_penalties
 from dspine.sglang.token_history import SlotTokenHistory
 from dspine.serve.flags import FlagError, check_switch_target, resolve_step_switch
 
@@ -79,13 +79,6 @@ logger = logging.getLogger(__name__)
 RECORD_CONFIDENCE_ENV = env.DSPINE_RECORD_CONFIDENCE.name
 MAX_PENDING_CONFIDENCE = 4    # drafted steps whose confidence copies may be in flight at once
 SWITCH_LOG_EVERY = 5000       # decode steps between the switch's summary lines
-
-
-def _has_penalties(batch) -> bool:
-    """Frequency/presence/repetition penalties: their state follows the speculative path, so such a
-    batch drafts (SGLang's DFlash verify applies them)."""
-    orchestrator = getattr(getattr(batch, "sampling_info", None), "penalizer_orchestrator", None)
-    return bool(getattr(orchestrator, "is_required", False))
 
 
 class HostRows:
@@ -278,7 +271,8 @@ class DSpineWorkerV2(DFlashWorkerV2):
 
     def _drafts_this_step(self, batch) -> bool:
         """The switch's decision for this decode step (True: draft; static servers always draft)."""
-        if self._plain_step is None or getattr(batch, "has_grammar", False) or _has_penalties(batch):
+        if self._plain_step is None or getattr(batch, "has_grammar", False) \
+                or has_penalties(getattr(batch, "sampling_info", None)):
             return True
         if self._switch is None:
             return False                                  # a forced plain switch file

@@ -26,7 +26,9 @@ scheduler still holds survives the next round.
 
 Used only where it is exactly the DFlash round: greedy batches (argmax verify) without penalties,
 logit bias, custom logit processors, grammars or logprobs, tp = 1, triton attention on both
-runners, full CUDA graphs, no compact draft window, no hybrid (ReplaySSM) target. Anything else
+runners, full CUDA graphs, no compact draft window, no hybrid (ReplaySSM) target, and SGLang
+without the DFlash selector seam (0.5.17; on 0.5.20+ SGLang's selector sampler stages its inputs
+on the host each step). Anything else
 takes SGLang's path, step by step. `DSPINE_ROUND_GRAPH=0` turns it off.
 """
 
@@ -78,11 +80,21 @@ def greedy_round_ok(batch) -> bool:
         return True
     if not getattr(info, "is_all_greedy", False) or getattr(info, "has_custom_logit_processor", False):
         return False
-    for name in ("logit_bias", "acc_linear_penalties", "grammar_mask", "vocab_mask"):
+    for name in ("logit_bias", "grammar_mask", "vocab_mask"):
         if getattr(info, name, None) is not None:
             return False
-    orchestrator = getattr(info, "penalizer_orchestrator", None)
-    return not bool(getattr(orchestrator, "is_required", False))
+    return not has_penalties(info)
+
+
+def has_penalties(sampling_info) -> bool:
+    """Frequency / presence / repetition penalties on a batch's sampling info: a live orchestrator
+    (the scheduler's copy) or the penalties it accumulated for the forward (under overlap
+    scheduling the worker gets a copy whose orchestrator is None: `copy_for_forward`)."""
+    orchestrator = getattr(sampling_info, "penalizer_orchestrator", None)
+    if bool(getattr(orchestrator, "is_required", False)):
+        return True
+    return any(getattr(sampling_info, name, None) is not None
+               for name in ("acc_additive_penalties", "acc_scaling_penalties", "acc_linear_penalties"))
 
 
 class _Buffers:
@@ -315,6 +327,9 @@ def why_not_round_graphs(worker) -> Optional[str]:
 
     from dspine.sglang import compat
 
+    if compat.has_selector_seam():
+        return (f"SGLang {compat.sglang_version()} drafts through its selector seam, whose sampler stages "
+                "per-step inputs on the host (captured rounds are built for 0.5.17's runners)")
     if int(getattr(compat.tp_group(), "world_size", 1)) != 1:
         return "tensor parallelism (tp > 1)"
     if getattr(worker, "use_compact_draft_cache", False):

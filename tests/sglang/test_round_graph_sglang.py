@@ -166,3 +166,13 @@ def test_batches_past_the_largest_size_or_not_greedy_are_refused():
     sampled = decode_batch([1], [3], [1])
     sampled.sampling_info = SimpleNamespace(is_all_greedy=False)
     assert not graphs.can_run(sampled)
+
+
+def test_the_reason_rounds_are_not_captured_is_named(monkeypatch):
+    from dspine.sglang.round_graph import why_not_round_graphs
+
+    worker = SimpleNamespace(device=torch.device("cpu"))
+    monkeypatch.setenv("DSPINE_ROUND_GRAPH", "0")
+    assert why_not_round_graphs(worker) == "DSPINE_ROUND_GRAPH=0"
+    monkeypatch.setenv("DSPINE_ROUND_GRAPH", "1")
+    assert why_not_round_graphs(worker) == "not a CUDA device"
