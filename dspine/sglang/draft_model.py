@@ -33,11 +33,13 @@ What DSpine adds, and only here:
   functions the reference drafter's `select_tokens` runs, so tokens and q equal it. SGLang 0.5.17
   has no seam: the worker folds the same functions into the draft graph through its own sampler
   (`dspine_worker_v2.py`).
-- **Copy candidates** (`dspine_config.copy_candidates`): with the worker's `SlotTokenHistory`
-  attached, `propose` adds to each slot the token that copying the request's own context predicts
-  there (`model.copy_candidates`: suffix match, calibrated scores) and walks the K+1-candidate
-  lattice of `selection.lattice_with_copies`, in the draft graph like the rest (TP 1; SGLang
-  versions without the selector seam).
+- **Copy candidates** (`dspine_config.copy_candidates`; TP 1): with the worker's
+  `SlotTokenHistory` attached, each slot also holds the token that copying the request's own
+  context predicts there (`model.copy_candidates`: suffix match, calibrated scores), and the walk
+  runs over the K+1-candidate lattice of `selection.lattice_with_copies`, in the draft graph like
+  the rest. 0.5.17: `propose`. 0.5.20+: through the selector seam (`compute_candidates` returns the
+  K+1 candidates and keeps the lattice's pair scores for the `build_lattice` call that follows;
+  `candidate_selector.top_k` is K+1, so SGLang sizes its buffers for them).
 - **Strict weights**: `load_weights` maps and loads every tensor of the checkpoint
   (`draft_weights.py`: Qwen3-style names, q/k/v and gate/up stacked) and raises naming every
   unexpected tensor and every parameter left unloaded.
@@ -139,17 +141,30 @@ class DSpineCandidateSelector:
     """SGLang's DFlash `candidate_selector` seam (0.5.20+) with DSpine's transition scores.
 
     Not an `nn.Module`: its only weight, W_T, is the model's `transition.weight` (checkpoint name
-    kept), and the table is the model's transfer table."""
+    kept), and the table is the model's transfer table. With copy candidates (a token history
+    attached to the model) the lattice has K+1 candidates a slot, built by `compute_candidates`."""
 
     def __init__(self, model: "DSpineDraftModel"):
         self._model = model
-        self.top_k = int(model.dspine_config.selection_top_k)
         self.lam = float(model.dspine_config.transition_lambda)
+
+    @property
+    def top_k(self) -> int:
+        """Candidates a slot: `selection_top_k`, plus the copy candidate while a token history is
+        attached. SGLang sizes its in-graph sampler's candidate and q buffers with it when it builds
+        the draft graph (the DSPINE worker attaches the history before that)."""
+        model = self._model
+        return int(model.dspine_config.selection_top_k) + int(model._history is not None)
 
     def build_lattice(self, *, candidate_ids: Tensor, unary_logits: Tensor, hidden_states: Tensor,
                       anchor_token_ids: Tensor) -> Tensor:
+        """candidate_ids / unary_logits [n, N-1, top_k] (what `compute_candidates` returned),
+        hidden_states [n, N-1, H], anchor_token_ids [n] -> scores [n, N-1, top_k, top_k] fp32.
+        With copy candidates: the lattice `compute_candidates` built (`model.copy_lattice_scores`)."""
         del hidden_states  # DSpine's transitions depend on the token pair only
         model = self._model
+        if model._history is not None:
+            return model.copy_lattice_scores(candidate_ids, unary_logits)
         return lattice_scores(model.transition, model.transfer_table(), candidate_ids, unary_logits,
                               anchor_token_ids, self.lam)
 
@@ -194,7 +209,8 @@ class DSpineDraftModel(_DFlashDraftModel):
         # Target tensors are referenced, never registered (not part of this model's weights).
         self.__dict__.update(_target_head=None, _tp_group=None, _table=None, _table_key=None, _served=False,
                              _weights_loaded=False, _sglang_candidate_topk=compat.sglang_candidate_topk(),
-                             _confidence_buf=None, _history=None, _copy_tables=None)
+                             _confidence_buf=None, _history=None, _copy_tables=None, _copy_pair=None,
+                             _copy_pending=None)
         self._warn_if_window_differs()
 
     # ------------------------------------------------------------------------ block size
@@ -289,7 +305,20 @@ class DSpineDraftModel(_DFlashDraftModel):
     # ------------------------------------------------------------------------ candidates
     def compute_candidates(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """SGLang's selector seam: hidden [M, H] -> global (candidate ids [M, K], unary logits fp32).
-        Also records the rows' confidence logits when recording is on (`enable_confidence_record`)."""
+        Also records the rows' confidence logits when recording is on (`enable_confidence_record`).
+
+        With copy candidates (`attach_token_history`): M = n*(N-1) proposal rows of n blocks, and
+        the K+1 candidates a slot of `copy_candidate_lattice` (ids [M, K+1], unary [M, K+1]); the
+        lattice's pair scores go to a static buffer for the `build_lattice` call that follows
+        (`copy_lattice_scores`). This call has no anchors, so slot 0's transitions are scored after
+        each history row's last token: the block's anchor (SGLang's `anchor_token_ids`), which the
+        worker's history writes put there (the copy match already relies on it)."""
+        if self._history is not None:
+            unary, ids, pair = self.copy_candidate_lattice(hidden, None)
+            n = pair.shape[0]
+            self._copy_pair[:n].copy_(pair)
+            self.__dict__["_copy_pending"] = ids      # held until build_lattice: its address stays its own
+            return ids.view(hidden.shape[0], -1), unary.view(hidden.shape[0], -1)
         self.record_confidence(hidden)
         k = self.candidate_selector.top_k
         head = self.target_head
@@ -306,29 +335,60 @@ class DSpineDraftModel(_DFlashDraftModel):
     def attach_token_history(self, history) -> None:
         """Turn on copy candidates: `history` (`token_history.SlotTokenHistory`) holds every running
         request's tokens, and its `rows`/`lengths` point at the step's requests before the draft
-        runs. Call before graph capture. One tensor-parallel rank only (the copy path scores the
-        whole vocabulary through the unsharded head)."""
+        runs. Call before graph capture (SGLang >= 0.5.20 reads `candidate_selector.top_k`, now K+1,
+        when it builds the draft graph). With the seam, allocates the static pair-score buffer it
+        hands from `compute_candidates` to `build_lattice`: [history.rows rows (its largest draft
+        batch), N-1, K+1, K+1] fp32. One tensor-parallel rank only (the copy path scores the whole
+        vocabulary through the unsharded head)."""
         if self._tp()[0] != 1:
             raise NotImplementedError("DSpine copy candidates run at tensor parallel size 1; serve with --tp 1 or a "
                                       "drafter config with copy_candidates false")
+        cfg = self.dspine_config
         device = self.target_head.weight.device
-        self.__dict__.update(_history=history, _copy_tables=CopyTables.from_config(self.dspine_config, device))
+        k1 = cfg.selection_top_k + 1
+        pair = (torch.zeros(history.rows.shape[0], self.block_size - 1, k1, k1, dtype=torch.float32, device=device)
+                if compat.has_selector_seam() else None)        # 0.5.17 walks the lattice in `propose`
+        self.__dict__.update(_history=history, _copy_tables=CopyTables.from_config(cfg, device), _copy_pair=pair)
+
+    def copy_candidate_lattice(self, hidden: Tensor, anchor_ids: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """The K+1-candidate lattice of n blocks with the attached history's copy candidates:
+        hidden [n*(N-1), H] proposal rows (row-major [blocks, slots]), anchor_ids [n] (None: each
+        history row's last token, the anchor) -> `selection.lattice_with_copies` over the
+        full-vocabulary draft logits, (unary [n, N-1, K+1] fp32, candidate ids [n, N-1, K+1],
+        pair [n, N-1, K+1, K+1] fp32), walked as `unary[:, :, None, :] + pair`. The history rows
+        are `window_rows(n)` (the worker pointed them at the step's requests). Also records the
+        rows' confidence logits."""
+        gamma = self.block_size - 1
+        n = hidden.shape[0] // gamma
+        self.record_confidence(hidden)
+        cfg = self.dspine_config
+        weight = self.target_head.weight[: cfg.vocab_size]
+        logits = (hidden.to(weight.dtype) @ weight.T).view(n, gamma, -1)
+        recent, lengths = self._history.window_rows(n)
+        if anchor_ids is None:
+            anchor_ids = recent.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+        copies = copy_candidates(recent, lengths, cfg, self._copy_tables, gamma)
+        return lattice_with_copies(logits, anchor_ids, copies, top_k=cfg.selection_top_k, lam=cfg.transition_lambda,
+                                   scorer=self.transition, table=self.transfer_table())
+
+    def copy_lattice_scores(self, candidate_ids: Tensor, unary_logits: Tensor) -> Tensor:
+        """`build_lattice` with copy candidates: scores unary[:, :, None, :] + pair [n, N-1, K+1, K+1]
+        of the lattice the last `compute_candidates` built. candidate_ids / unary_logits
+        [n, N-1, K+1] must be that call's candidates: SGLang calls the two back to back for the same
+        rows (in the draft graph and eagerly); checked on the host (same storage, same n; no sync)."""
+        n = candidate_ids.shape[0]
+        pending = self._copy_pending
+        self.__dict__["_copy_pending"] = None
+        if pending is None or (pending.data_ptr(), pending.shape[0]) != (candidate_ids.data_ptr(), n):
+            raise RuntimeError("DSpineDraftModel: with copy candidates, build_lattice must take the candidates of "
+                               "the compute_candidates call just before it (it keeps their pair scores)")
+        return unary_logits[:, :, None, :] + self._copy_pair[:n]
 
     def _propose_with_copies(self, pred_hidden: Tensor, anchor_ids: Tensor, temperature: Tensor,
                              uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """`propose` with copy candidates from the attached history: the lattice of
-        `selection.lattice_with_copies` over full-vocabulary draft logits (K+1 candidates a slot)."""
-        n, gamma, hidden = pred_hidden.shape
-        flat = pred_hidden.reshape(-1, hidden)
-        self.record_confidence(flat)
-        cfg = self.dspine_config
-        weight = self.target_head.weight[: cfg.vocab_size]
-        logits = (flat.to(weight.dtype) @ weight.T).view(n, gamma, -1)
-        recent, lengths = self._history.window_rows(n)
-        copies = copy_candidates(recent, lengths, cfg, self._copy_tables, gamma)
-        unary, ids, pair = lattice_with_copies(logits, anchor_ids, copies, top_k=cfg.selection_top_k,
-                                               lam=cfg.transition_lambda, scorer=self.transition,
-                                               table=self.transfer_table())
+        """`propose` with copy candidates from the attached history: the walk over
+        `copy_candidate_lattice` (K+1 candidates a slot)."""
+        unary, ids, pair = self.copy_candidate_lattice(pred_hidden.reshape(-1, pred_hidden.shape[-1]), anchor_ids)
         tokens, q = walk_lattice(ids, unary[:, :, None, :] + pair, temperature, uniforms)
         return tokens, ids, q
 

@@ -38,7 +38,7 @@ injection); this worker only overrides the smallest seams around it:
   request's expected acceptance. A forced switch file (`{"force": "plain", "plain_tokens": K}` or
   `{"force": "draft"}`) makes every step one kind (K-token plain steps: to measure the plain-step table). Not with
   grammar-constrained batches (they draft) nor hybrid ReplaySSM targets (refused at start).
-- Copy candidates (`dspine_config.copy_candidates`; SGLang 0.5.17): a `SlotTokenHistory` keeps
+- Copy candidates (`dspine_config.copy_candidates`): a `SlotTokenHistory` keeps
   every request's tokens on the device, written at prefill (the last window of the prompt, one
   host-to-device copy per prefill batch) and after every decode step (the committed tokens, on the
   step's stream); before a step its rows and lengths are pointed at the batch for the draft graph.
@@ -241,10 +241,6 @@ class DSpineWorkerV2(DFlashWorkerV2):
         cfg = self.draft_model.dspine_config
         if not cfg.copy_candidates:
             return
-        if compat.has_selector_seam():
-            raise FlagError(f"DSpine copy candidates are not wired into SGLang {compat.sglang_version()}'s DFlash selector "
-                            "seam yet (they run on 0.5.17). Fix: serve with a drafter config with copy_candidates "
-                            "false, or SGLang 0.5.17")
         pool = self.target_worker.model_runner.req_to_token_pool.req_to_token
         requests = compat.server_args_value(self.server_args, "max_running_requests") or 0
         self._history = SlotTokenHistory(pool_rows=int(pool.shape[0]), max_context_len=int(pool.shape[1]),
