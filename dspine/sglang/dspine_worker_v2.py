@@ -42,6 +42,8 @@ injection); this worker only overrides the smallest seams around it:
   every request's tokens on the device, written at prefill (the last window of the prompt, one
   host-to-device copy per prefill batch) and after every decode step (the committed tokens, on the
   step's stream); before a step its rows and lengths are pointed at the batch for the draft graph.
+- Start-up warm-up (`dspine.sglang.warmup`): after the graphs, every sampling kernel SGLang would
+  otherwise compile on first use (flashinfer's sampling module) runs once, so no request pays it.
 - Step clock (`dspine.sglang.step_clock`; with `SGLANG_RECORD_STEP_TIME=1`): the host time of each
   call, so the period of consecutive decode steps is booked per kind (draft, plain) and batch size,
   prefills excluded; `/server_info` carries the totals for `dspine tune-sps`.
@@ -72,6 +74,7 @@ from dspine.sglang.draft_model import DSpineDraftModel
 from dspine.sglang.plain_step import PlainStep, tag_verify_tokens
 from dspine.sglang.round_graph import RoundGraphs, build_round_graphs, has_penalties
 from dspine.sglang.token_history import SlotTokenHistory
+from dspine.sglang.warmup import warm_sampling_kernels
 from dspine.serve.flags import FlagError, check_switch_target, resolve_step_switch
 
 logger = logging.getLogger(__name__)
@@ -256,6 +259,10 @@ class DSpineWorkerV2(DFlashWorkerV2):
     def init_cuda_graphs(self):
         self._attach_token_history()      # SGLang's request pool exists by now; the draft graph reads the history
         super().init_cuda_graphs()
+        if str(self.device).startswith("cuda"):
+            seconds = warm_sampling_kernels(self.draft_model.dspine_config.vocab_size, self.device)
+            logger.info("DSPINE: SGLang's sampling kernels warmed in %.1f s (flashinfer builds them on first use).",
+                        seconds)
         self._round_graphs = build_round_graphs(self, history=self._history)
         if self._step_policy in ("dynamic", "plain"):
             check_switch_target(self._step_policy, self._need_mamba_verify_commit)

@@ -7,7 +7,8 @@ drafter-KV append and the token-history writes as eager launches. At small model
 not the GPU, sets the round's period. Here everything between the two forwards is captured too:
 
     G1[n]   block ids (anchor + masks), positions, verify slots, mask embeddings, history rows,
-            and the draft runner's own `load_batch` (buffer fill + triton attention metadata)
+            with a draft window the drafter's compact request rows (DFlash's own rebuild), and the
+            draft runner's own `load_batch` (buffer fill + triton attention metadata)
     D[n]    SGLang's captured draft forward (the DSpine sampler writes `sampler.out` in it)
     G2[n]   verify ids (anchor + proposals), the target runner's `load_batch`
     T[n]    SGLang's captured TARGET_VERIFY forward (logits [n*B, V], DFlash aux hidden)
@@ -26,7 +27,7 @@ scheduler still holds survives the next round.
 
 Used only where it is exactly the DFlash round: greedy batches (argmax verify) without penalties,
 logit bias, custom logit processors, grammars or logprobs, tp = 1, triton attention on both
-runners, full CUDA graphs, no compact draft window, no hybrid (ReplaySSM) target, and SGLang
+runners, full CUDA graphs, no hybrid (ReplaySSM) target, and SGLang
 without the DFlash selector seam (0.5.17; on 0.5.20+ SGLang's selector sampler stages its inputs
 on the host each step). Anything else
 takes SGLang's path, step by step. `DSPINE_ROUND_GRAPH=0` turns it off.
@@ -110,6 +111,7 @@ class _Buffers:
         self.positions = torch.zeros((rows, width), **i64)
         self.cache_loc = torch.zeros((rows, width), **i64)
         self.verify_ids = torch.zeros((rows, width), **i64)
+        self.draft_lens = torch.full((rows,), PAD_SEQ_LEN, dtype=torch.int32, device=device)  # window-clamped
         self.embeds = torch.zeros((rows * width, int(hidden)), dtype=embed_dtype, device=device)
         self.offsets = torch.arange(width, **i64)
         # Outputs G3 writes: tokens [N*B] | bonus [N] | new_seq_lens [N] (int64), commit_lens [N] (int32).
@@ -136,6 +138,7 @@ class RoundGraphs:
         self.block_size = int(worker.block_size)
         self.mask_id = int(worker._mask_token_id)
         self.device = worker.device
+        self.compact = bool(getattr(worker, "use_compact_draft_cache", False))   # a draft window
         target = worker.target_worker.model_runner
         self.req_to_token = target.req_to_token_pool.req_to_token
         self.embed = target.model.get_input_embeddings()
@@ -151,7 +154,8 @@ class RoundGraphs:
     # ------------------------------------------------------------------ building
     def _forward_batch(self, n: int, *, draft: bool):
         """A ForwardBatch whose tensors are the static buffers' first n rows (draft: the noise block
-        with its mask embeddings; verify: anchor + proposals, DFlash aux hidden captured)."""
+        with its mask embeddings and, with a draft window, the window-clamped lengths; verify: anchor
+        + proposals, DFlash aux hidden captured)."""
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
         from sglang.srt.speculative.dflash_info import DFlashVerifyInput
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -164,6 +168,8 @@ class RoundGraphs:
                       out_cache_loc=b.cache_loc[:n].view(-1), seq_lens_sum=n * PAD_SEQ_LEN,
                       seq_lens_cpu=torch.full((n,), PAD_SEQ_LEN, dtype=torch.int64), positions=positions)
         if draft:
+            if self.compact:
+                common["seq_lens"] = b.draft_lens[:n]
             fb = ForwardBatch(**common, input_embeds=b.embeds[: n * width],
                               spec_algorithm=SpeculativeAlgorithm.DFLASH,
                               spec_info=self.worker._draft_block_spec_info,
@@ -185,6 +191,11 @@ class RoundGraphs:
         torch.add(prefix[:, None], b.offsets[None], out=b.positions[:n])
         b.cache_loc[:n].copy_(self.req_to_token[b.req_pool_indices[:n, None], b.positions[:n]])
         b.embeds[: n * self.block_size].copy_(self.embed(b.block_ids[:n].view(-1)))
+        if self.compact:   # the drafter attends to the last `window` committed tokens, then the block
+            b.draft_lens[:n].copy_(self.worker._compute_compact_draft_seq_lens(prefix))
+            self.worker._rebuild_compact_draft_cache(
+                req_pool_indices=b.req_pool_indices[:n], prefix_lens=prefix, draft_prefix_lens=b.draft_lens[:n],
+                verify_out_cache_loc_2d=b.cache_loc[:n], bs=n, block_size=self.block_size)
         if self.history is not None:
             self.history.prepare_draft(b.req_pool_indices[:n], prefix)
         self.draft_runner.load_batch(self._draft_batches[n])
@@ -332,8 +343,6 @@ def why_not_round_graphs(worker) -> Optional[str]:
                 "per-step inputs on the host (captured rounds are built for 0.5.17's runners)")
     if int(getattr(compat.tp_group(), "world_size", 1)) != 1:
         return "tensor parallelism (tp > 1)"
-    if getattr(worker, "use_compact_draft_cache", False):
-        return "a compact draft window (--speculative-draft-window-size)"
     if getattr(worker, "_need_mamba_verify_commit", False):
         return "a hybrid (ReplaySSM) target"
     sampler = getattr(worker, "_draft_sampler", None)

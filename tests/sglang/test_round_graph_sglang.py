@@ -49,15 +49,20 @@ class FakeRunner:
         self._replay_graph_key = (self.role, fb.batch_size)
 
 
-def build(sizes, wrong_at):
+def build(sizes, wrong_at, window=None):
     """A RoundGraphs over fakes. The drafter proposes the target's continuation chain from the anchor,
-    except row r's proposal at position wrong_at[r] (1-based; B = none wrong)."""
+    except row r's proposal at position wrong_at[r] (1-based; B = none wrong). `window`: a draft
+    window (DFlash's compact rows; the fake rebuild records its arguments in `rebuilt`)."""
     req_to_token = torch.zeros((6, 64), dtype=torch.int32)
     for slot in range(1, 6):                       # slot 0: SGLang's padding row, all zeros
         req_to_token[slot] = torch.arange(64, dtype=torch.int32) + 100 * slot
     embed = torch.nn.Embedding(V, H)
-    appended = []
+    appended, rebuilt = [], []
     worker = SimpleNamespace(
+        use_compact_draft_cache=window is not None,
+        _compute_compact_draft_seq_lens=lambda lens: lens.clamp(max=window or 0).to(torch.int32),
+        _rebuild_compact_draft_cache=lambda **kw: rebuilt.append(
+            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}),
         block_size=B, _mask_token_id=MASK, device=torch.device("cpu"), _draft_block_spec_info=None,
         target_worker=SimpleNamespace(model_runner=SimpleNamespace(
             req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
@@ -101,6 +106,7 @@ def build(sizes, wrong_at):
     for n in graphs.sizes:                         # the stages run eagerly in place of their graphs
         graphs._runner_keys[("draft", n)], graphs._runner_keys[("target", n)] = ("draft", n), ("target", n)
         graphs._graphs.update({(name, n): fn for name, fn in graphs.stages(n).items()})
+    graphs.rebuilt = rebuilt
     return graphs, draft, target, appended, history, embed
 
 
@@ -176,3 +182,38 @@ def test_the_reason_rounds_are_not_captured_is_named(monkeypatch):
     assert why_not_round_graphs(worker) == "DSPINE_ROUND_GRAPH=0"
     monkeypatch.setenv("DSPINE_ROUND_GRAPH", "1")
     assert why_not_round_graphs(worker) == "not a CUDA device"
+
+
+def test_with_a_draft_window_the_drafter_sees_clamped_lengths_and_rebuilt_rows():
+    graphs, draft, target, *_ = build([1, 2, 4], wrong_at={}, window=6)
+    graphs.run(decode_batch([3, 1, 5], [10, 4, 7], [11, 12, 13]))
+    assert draft.loaded["seq_lens"].tolist() == [6, 4, 6, 1]                   # min(seq_len, window); padding 1
+    assert target.loaded["seq_lens"].tolist() == [10, 4, 7, 1]                 # the target sees everything
+    rebuild = graphs.rebuilt[-1]
+    assert rebuild["bs"] == 4 and rebuild["block_size"] == B
+    assert rebuild["draft_prefix_lens"].tolist() == [6, 4, 6, 1] and rebuild["prefix_lens"].tolist() == [10, 4, 7, 1]
+    assert rebuild["verify_out_cache_loc_2d"].tolist() == draft.loaded["out_cache_loc"].view(4, B).tolist()
+
+
+def test_start_up_runs_every_sampling_kernel_sglang_would_build_on_first_use(monkeypatch, caplog):
+    from sglang.srt.layers import sampler
+    from sglang.srt.speculative import dflash_utils
+
+    from dspine.sglang.warmup import warm_sampling_kernels
+
+    calls = []
+
+    def fake(name, fail=False):
+        def run(probs, *args, **kwargs):
+            calls.append((name, tuple(probs.shape)))
+            if fail:
+                raise RuntimeError("nvcc missing")
+        return run
+
+    monkeypatch.setattr(dflash_utils, "top_k_renorm_prob", fake("top_k"), raising=False)
+    monkeypatch.setattr(dflash_utils, "top_p_renorm_prob", fake("top_p", fail=True), raising=False)
+    monkeypatch.setattr(sampler, "top_k_top_p_sampling_from_probs", fake("top_k_top_p"), raising=False)
+    monkeypatch.setattr(sampler, "min_p_sampling_from_probs", None, raising=False)     # absent in this build
+    warm_sampling_kernels(11, "cpu")
+    assert calls == [("top_k", (2, 11)), ("top_p", (2, 11)), ("top_k_top_p", (2, 11))]
+    assert "top_p_renorm_prob failed (RuntimeError: nvcc missing)" in caplog.text
