@@ -122,6 +122,8 @@ DSPINE_DYNAMIC = _path_var("DSPINE_DYNAMIC", "Switch file: per decode step, draf
 DSPINE_RECORD_CONFIDENCE = _bool_var("DSPINE_RECORD_CONFIDENCE", "Record drafter confidence in /server_info.")
 DSPINE_ROUND_GRAPH = _declare("DSPINE_ROUND_GRAPH", True, "Greedy rounds as captured graphs (0: SGLang's path).",
                               "0 or 1", _bool)
+DSPINE_ROUND_TIMING = _declare("DSPINE_ROUND_TIMING", 0, "Diagnostic: log device ms per captured-round stage "
+                               "every N rounds (0: off).", "an integer >= 0", _int_at_least(0))
 SGLANG_RAGGED_VERIFY_MODE = _declare("SGLANG_RAGGED_VERIFY_MODE", "static", "SGLang's verify-width mode.",
                                      "static or another SGLang mode", str)
 SGLANG_RECORD_STEP_TIME = _bool_var("SGLANG_RECORD_STEP_TIME", "Step-time recording (per step kind in DSPINE).")

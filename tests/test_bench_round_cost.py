@@ -22,6 +22,7 @@ class Stub(JsonHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         n = body["max_tokens"]
+        self.server.kinds.append("throughput" if body.get("return_meta_info") else "profile" if n > 1 else "count")
         verify = VERIFY[self.server.name]
         meta = {"completion_tokens": n, **({"spec_verify_ct": verify} if verify and n > 1 else {})}
         self.send_json({"choices": [{"index": 0, "message": {"role": "assistant", "content": "t " * n},
@@ -34,7 +35,7 @@ def servers():
     live = {}
     for name in VERIFY:
         server = start_server(Stub)
-        server.name = name
+        server.name, server.kinds = name, []
         live[name] = server
     yield live
     for server in live.values():
@@ -42,12 +43,12 @@ def servers():
         server.server_close()
 
 
-def write_phases(folder, ms, host_parts):
+def write_phases(folder, ms, host_parts, wait=0.0):
     """Step-profile records for phases 1 (c=1) and 2 (c=16), as the server's profiler writes them."""
     folder.mkdir(parents=True)
     for phase, scale in ((1, 1.0), (2, 2.0)):
         record = {"mean_batch_size": 1.0 if phase == 1 else 15.5, "ms_per_step": ms * scale,
-                  "ms_per_step_in": {k: v * scale for k, v in host_parts.items()}}
+                  "ms_per_step_in": {k: v * scale for k, v in host_parts.items()}, "ms_per_step_waiting": wait * scale}
         (folder / f"123-phase{phase}.json").write_text(json.dumps(record))
 
 
@@ -72,7 +73,8 @@ def run(servers, tmp_path, prompts_dir, *extra):
 
 def test_runs_read_each_phase_and_the_table_divides_by_ar(servers, tmp_path, prompts_dir, capsys):
     write_phases(tmp_path / "prof" / "AR", 1.2, {"run_batch": 0.8, "process_batch_result": 0.1})
-    write_phases(tmp_path / "prof" / "DSPINE", 1.8, {"run_batch": 1.0, "get_next_batch_to_run": 0.2})
+    write_phases(tmp_path / "prof" / "DSPINE", 1.8, {"run_batch": 1.0, "get_next_batch_to_run": 0.2,
+                                                      "process_batch_result": 0.5}, wait=0.5)
     write_phases(tmp_path / "prof" / "NGRAM", 3.0, {"run_batch": 2.5})
     assert run(servers, tmp_path, prompts_dir) == 0
     results = json.loads((tmp_path / "out" / "round_cost_h200.json").read_text())
@@ -81,13 +83,17 @@ def test_runs_read_each_phase_and_the_table_divides_by_ar(servers, tmp_path, pro
     rows = {(r["config"], r["concurrency"]): r for r in results["runs"]}
     assert rows[("DSPINE", 1)]["ms_per_step"] == pytest.approx(1.8)
     assert rows[("DSPINE", 16)]["ms_per_step"] == pytest.approx(3.6)             # phase 2 for the second level
-    assert rows[("DSPINE", 1)]["host_ms_per_step"] == pytest.approx(1.2)         # the timed methods, summed
+    assert rows[("DSPINE", 1)]["host_ms_per_step"] == pytest.approx(1.2)         # the methods, less the wait
+    assert rows[("DSPINE", 16)]["wait_ms_per_step"] == pytest.approx(1.0)
     assert rows[("AR", 16)]["host_ms_per_step"] == pytest.approx(1.8)
     assert rows[("DSPINE", 1)]["accept_len"] == pytest.approx(3.0) and rows[("AR", 1)]["accept_len"] == 1.0
     assert rows[("NGRAM", 1)]["accept_len"] == pytest.approx(2.0)
     assert rows[("AR", 1)]["prompt_tokens"] == 40 and rows[("DSPINE", 16)]["mean_batch_size"] == 15.5
     out = capsys.readouterr().out
     assert "1.50x" in out and "2.50x" in out                                    # T_round / T_step at c=1
+    for server in servers.values():     # every profile phase before any throughput level (module docstring)
+        kinds = [k for k in server.kinds if k != "count"]
+        assert "profile" in kinds and kinds.index("throughput") > max(i for i, k in enumerate(kinds) if k == "profile")
 
 
 def test_a_rerun_keeps_other_shapes_and_sections(servers, tmp_path, prompts_dir):

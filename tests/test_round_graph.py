@@ -55,3 +55,40 @@ def test_only_plain_greedy_batches_take_the_captured_round():
         assert not greedy_round_ok(SimpleNamespace(sampling_info=info)), name
     assert not greedy_round_ok(SimpleNamespace(sampling_info=greedy, return_logprob=True))
     assert not greedy_round_ok(SimpleNamespace(sampling_info=greedy, has_grammar=True))
+
+
+def test_stage_clock_reads_finished_rounds_without_waiting(caplog):
+    from dspine.sglang.round_graph import STAGES, StageClock
+
+    ticks = iter(range(1000))
+
+    class FakeEvent:
+        """Records a time stamp; `query()` says whether the device reached it (gate)."""
+        gate = [True]
+
+        def record(self):
+            self.t = next(ticks)
+
+        def query(self):
+            return self.gate[0]
+
+        def elapsed_time(self, later):
+            return float(later.t - self.t)
+
+    clock = StageClock(2, FakeEvent)
+    FakeEvent.gate[0] = False
+    for n in (1, 4):
+        events = []
+        for _ in range(len(STAGES) + 1):
+            clock.mark(events)
+        clock.round_done(n, events)
+    assert clock.finished == 0 and len(clock.pending) == 2          # not landed: nothing read, no wait
+    FakeEvent.gate[0] = True
+    events = []
+    for _ in range(len(STAGES) + 1):
+        clock.mark(events)
+    with caplog.at_level("INFO"):
+        clock.round_done(1, events)
+    assert clock.finished == 3 and not clock.pending
+    assert clock.totals[1] == [2.0] + [2.0] * len(STAGES) and clock.totals[4][0] == 1.0
+    assert "bs 1: g1 1.000 draft 1.000 g2 1.000 verify 1.000 g3 1.000" in caplog.text

@@ -69,3 +69,22 @@ def test_driver_refuses_bad_requests(tmp_path, capsys):
     with pytest.raises(SystemExit):
         step_profile.main(["http://127.0.0.1:9", str(tmp_path), "--requests", str(requests)])
     assert "r.jsonl:2: not a JSON object with messages" in capsys.readouterr().err
+
+
+def test_the_wait_for_the_device_is_timed_inside_the_window_only(tmp_path):
+    class Event:
+        def synchronize(self):
+            step_profile.time.sleep(0.003)
+
+    class Sched(Scheduler):
+        pass
+
+    profile = step_profile.StepProfile(tmp_path, (2, 6, 7), phases=1)
+    step_profile.install(Sched, profile)
+    step_profile.install_wait_timer(Event, profile)
+    scheduler, event = Sched(), Event()
+    for _ in range(8):
+        scheduler.run_batch(batch())
+        event.synchronize()
+    record = json.loads(next(tmp_path.glob("*-phase0.json")).read_text())
+    assert 3.0 <= record["ms_per_step_waiting"] < 6.0          # 4 steps in the window, one 3-ms wait each

@@ -7,11 +7,14 @@ started with `DSPINE_STEP_PROFILE=DIR` (`--profile-dir NAME=DIR`, same machine) 
 1. Step profile: greedy chat requests at c in flight until the server's profiler has written the
    level's phase (`dspine.sglang.step_profile`): `ms_per_step` = server-side wall time per decode
    step (AR) or round (speculative), prefills excluded; `host_ms_per_step` = host time inside the
-   scheduler's methods per step (`ms_per_step_in`, summed: under overlap scheduling a step is
-   host-bound when this is close to `ms_per_step`).
+   scheduler's methods per step (`ms_per_step_in`, summed) less its wait for the device
+   (`ms_per_step_waiting`, also reported: a step with a long wait is device-bound).
 2. Throughput: `--prompts` greedy chat requests (`--workload`: an evaluation set or the five-set
    mix) at c in flight, non-streamed with meta_info: `output_tok_per_s` (completion tokens / wall
    time) and `accept_len` (completion tokens / verify steps; 1.0 for AR).
+
+Every profile phase of a config runs before its throughput levels: the profiler counts every decode
+step, so a throughput level run between two phases would be measured as the next phase.
 
 DSPINE-eager is a DSPINE server with `DSPINE_ROUND_GRAPH=0` (SGLang's DFlash round, step by step),
 the control for the captured round. The table puts each config's ms per step over AR's at the same
@@ -19,7 +22,7 @@ concurrency (T_round / T_step).
 
 Writes OUT_DIR/<results-name>.json: `{"device", "date", "command", "sglang", "runs": [{"config",
 "shape", "workload", "concurrency", "prompt_tokens", "ms_per_step", "host_ms_per_step",
-"output_tok_per_s", "accept_len", "mean_batch_size"}]}`; runs of other shapes or configs already in
+"output_tok_per_s", "accept_len", "wait_ms_per_step", "mean_batch_size"}]}`; runs of other shapes or configs already in
 the file are kept (one file gathers SmolLM2 and 8B-shaped servers), as are its `soak` and
 `deterministic_parity` sections.
 """
@@ -58,8 +61,9 @@ def profile_record(profile_dir: Path, phase: int) -> dict:
 
 
 def host_ms(record: dict) -> float:
-    """Host milliseconds per decode step: the scheduler's timed methods, summed."""
-    return float(sum(record["ms_per_step_in"].values()))
+    """Host milliseconds per decode step: the scheduler's timed methods, summed, less the time they
+    spent waiting for the device."""
+    return float(sum(record["ms_per_step_in"].values()) - record.get("ms_per_step_waiting", 0.0))
 
 
 def prompt_tokens(base: str, bodies: list[dict], timeout: float) -> int:
@@ -73,23 +77,26 @@ def prompt_tokens(base: str, bodies: list[dict], timeout: float) -> int:
 
 
 def measure_config(name: str, base: str, profile_dir: Path | None, args, bodies: list[dict]) -> list[dict]:
-    """Every concurrency level of one config: step profile (when given a folder), then throughput."""
-    runs = []
+    """Every concurrency level of one config: the step-profile phases first (when given a folder),
+    then the throughput levels (see the module docstring)."""
     tokens = prompt_tokens(base, bodies[: min(8, len(bodies))], args.request_timeout)
-    for level, c in enumerate(args.concurrency, 1):
-        row = {"config": name, "shape": args.shape, "workload": args.workload, "concurrency": c,
-               "prompt_tokens": tokens}
-        if profile_dir is not None:
+    runs = [{"config": name, "shape": args.shape, "workload": args.workload, "concurrency": c,
+             "prompt_tokens": tokens} for c in args.concurrency]
+    if profile_dir is not None:
+        for level, row in enumerate(runs, 1):
+            c = row["concurrency"]
             load = drive(base, profile_dir, bodies, c, want_files=level, timeout_s=args.profile_timeout)
             if not load["phase_done"]:
                 raise BenchError(f"{name}: the step profile's phase {level} (c={c}) did not finish within "
                                  f"{args.profile_timeout:.0f} s ({load['tokens']} tokens sent)")
             record = profile_record(profile_dir, level)
             row.update(ms_per_step=float(record["ms_per_step"]), host_ms_per_step=host_ms(record),
+                       wait_ms_per_step=float(record.get("ms_per_step_waiting", 0.0)),
                        mean_batch_size=float(record["mean_batch_size"]))
+    for row in runs:
+        c = row["concurrency"]
         stats, _ = run_level(base, bodies[: max(args.prompts, c)], c, args.request_timeout, streamed=False)
         row.update(output_tok_per_s=float(stats["output_tok_per_s"]), accept_len=float(stats["accept_len"]))
-        runs.append(row)
         print(f"{name:<13} c={c:<3} " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                                 for k, v in row.items() if k not in ("config", "concurrency")),
               flush=True)

@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 PAD_SEQ_LEN = 1        # SGLang's cuda-graph fill value for padded seq_lens (triton attention)
 RING_SLOTS = 2
+STAGES = ("g1", "draft", "g2", "verify", "g3")
 
 
 def accept_greedy(verify_ids: Tensor, target_top1: Tensor, prefix_lens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -96,6 +97,42 @@ def has_penalties(sampling_info) -> bool:
         return True
     return any(getattr(sampling_info, name, None) is not None
                for name in ("acc_additive_penalties", "acc_scaling_penalties", "acc_linear_penalties"))
+
+
+class StageClock:
+    """Device time of each captured-round stage (`DSPINE_ROUND_TIMING=N`, a diagnostic): events
+    recorded between the five launches; finished rounds are read with `query()` (no host sync) and
+    every `every` of them the mean ms per stage and batch size is logged. `make_event` builds a
+    timing event (tests pass a stand-in)."""
+
+    def __init__(self, every: int, make_event: Callable[[], object]) -> None:
+        self.every, self.make_event = int(every), make_event
+        self.pending: list[tuple[int, list]] = []
+        self.totals: dict[int, list[float]] = {}   # batch size -> [rounds, ms per stage...]
+        self.finished = 0
+
+    def mark(self, events: list) -> None:
+        event = self.make_event()
+        event.record()
+        events.append(event)
+
+    def round_done(self, n: int, events: list) -> None:
+        """The round's len(STAGES) + 1 events are recorded; collect every finished round."""
+        self.pending.append((n, events))
+        while self.pending and self.pending[0][1][-1].query():
+            size, done = self.pending.pop(0)
+            row = self.totals.setdefault(size, [0.0] * (1 + len(STAGES)))
+            row[0] += 1
+            for i in range(len(STAGES)):
+                row[1 + i] += done[i].elapsed_time(done[i + 1])
+            self.finished += 1
+            if self.finished % self.every == 0:
+                logger.info("DSPINE round stages (device ms, mean): %s", self.summary())
+
+    def summary(self) -> str:
+        return "; ".join(f"bs {size}: " + " ".join(f"{name} {total / row[0]:.3f}"
+                                                    for name, total in zip(STAGES, row[1:]))
+                         for size, row in sorted(self.totals.items()))
 
 
 class _Buffers:
@@ -150,6 +187,8 @@ class RoundGraphs:
         self._runner_keys: dict[tuple[str, int], object] = {}
         self._ring = 0
         self.rounds = 0
+        every = env.DSPINE_ROUND_TIMING.get()
+        self.clock = StageClock(every, lambda: torch.cuda.Event(enable_timing=True)) if every else None
 
     # ------------------------------------------------------------------ building
     def _forward_batch(self, n: int, *, draft: bool):
@@ -288,11 +327,19 @@ class RoundGraphs:
             b.req_pool_indices[bs:n].zero_()
             b.prefix_lens[bs:n].fill_(PAD_SEQ_LEN)
             b.bonus[bs:n].zero_()
-        self._graphs[("g1", n)]()
-        self.draft_runner.backend._graphs[self._runner_keys[("draft", n)]].replay()
-        self._graphs[("g2", n)]()
-        self.target_runner.backend._graphs[self._runner_keys[("target", n)]].replay()
-        self._graphs[("g3", n)]()
+        launches = (self._graphs[("g1", n)], self.draft_runner.backend._graphs[self._runner_keys[("draft", n)]].replay,
+                    self._graphs[("g2", n)], self.target_runner.backend._graphs[self._runner_keys[("target", n)]].replay,
+                    self._graphs[("g3", n)])
+        if self.clock is None:
+            for launch in launches:
+                launch()
+        else:
+            events = []
+            self.clock.mark(events)
+            for launch in launches:
+                launch()
+                self.clock.mark(events)
+            self.clock.round_done(n, events)
         slot = self._ring
         self._ring = (slot + 1) % RING_SLOTS
         out64, commit = b.ring64[slot], b.ring32[slot]

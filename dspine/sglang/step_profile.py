@@ -11,8 +11,10 @@ counted per phase; with windows W0 < W1 < W2 (`DSPINE_STEP_PROFILE_WINDOWS`, def
 - then `DIR/<pid>-phase<i>.json` (timers), `.prof` (pstats) and `.txt` (top functions) are written
   and the next phase (`DSPINE_STEP_PROFILE_PHASES`, default 2) starts counting from zero.
 
-Under overlap scheduling a step's wall time is max(host work, device work); `ms_per_step` close to
-the host methods' sum means the step is host-bound. The driver sends the load for each phase:
+Under overlap scheduling a step's wall time is max(host work, device work). The methods' times
+include the scheduler waiting for the device (`torch.cuda.Event.synchronize`, which it calls before
+reading a step's results); that wait is timed too (`ms_per_step_waiting`), so host work per step is
+the methods' sum minus it, and a large wait means the step is device-bound. The driver sends the load for each phase:
 
     DSPINE_STEP_PROFILE=/tmp/prof sglang serve ...        # or dspine serve
     python -m dspine.sglang.step_profile http://127.0.0.1:30000 /tmp/prof --requests heldout.jsonl \\
@@ -59,6 +61,7 @@ class StepProfile:
     def _arm(self) -> None:
         self.steps, self.requests = 0, 0
         self.method_seconds: dict[str, float] = {}
+        self.wait_seconds = 0.0
         self.timing = self.profiling = False
         self.t_w0 = self.t_w1 = 0.0
         self.profiler: cProfile.Profile | None = None
@@ -69,6 +72,9 @@ class StepProfile:
 
     def add_method_time(self, name: str, seconds: float) -> None:
         self.method_seconds[name] = self.method_seconds.get(name, 0.0) + seconds
+
+    def add_wait_time(self, seconds: float) -> None:
+        self.wait_seconds += seconds
 
     def on_decode_step(self, batch_size: int) -> None:
         """Called before each decode step's `run_batch`."""
@@ -98,7 +104,8 @@ class StepProfile:
         record = {"phase": self.phase, "steps": steps, "mean_batch_size": self.requests / steps,
                   "ms_per_step": 1e3 * (self.t_w1 - self.t_w0) / steps,
                   "ms_per_step_profiled": 1e3 * (t_w2 - self.t_w1) / (w2 - w1),
-                  "ms_per_step_in": {k: 1e3 * v / steps for k, v in sorted(self.method_seconds.items())}}
+                  "ms_per_step_in": {k: 1e3 * v / steps for k, v in sorted(self.method_seconds.items())},
+                  "ms_per_step_waiting": 1e3 * self.wait_seconds / steps}
         text = io.StringIO()
         stats = pstats.Stats(self.profiler, stream=text)
         stats.sort_stats("tottime").print_stats(60)
@@ -136,6 +143,23 @@ def install(scheduler_cls, profile: StepProfile) -> None:
     scheduler_cls.run_batch = counting_run_batch
 
 
+def install_wait_timer(event_cls, profile: StepProfile) -> None:
+    """Time `event_cls.synchronize` (the scheduler's wait for a step's results) inside the timing
+    window."""
+    original = event_cls.synchronize
+
+    def timed_synchronize(self, *args, **kwargs):
+        if not profile.timing:
+            return original(self, *args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            profile.add_wait_time(time.perf_counter() - start)
+
+    event_cls.synchronize = timed_synchronize
+
+
 def install_from_environment(environ: Mapping[str, str] | None = None) -> bool:
     """The plugin's hook: wrap SGLang's Scheduler when DSPINE_STEP_PROFILE is set (False otherwise)."""
     out_dir = env.DSPINE_STEP_PROFILE.get(environ)
@@ -145,7 +169,11 @@ def install_from_environment(environ: Mapping[str, str] | None = None) -> bool:
     from sglang.srt.managers.scheduler import Scheduler
 
     if not getattr(Scheduler, "_dspine_step_profile", False):
-        install(Scheduler, StepProfile(out_dir, windows, env.DSPINE_STEP_PROFILE_PHASES.get(environ)))
+        import torch
+
+        profile = StepProfile(out_dir, windows, env.DSPINE_STEP_PROFILE_PHASES.get(environ))
+        install(Scheduler, profile)
+        install_wait_timer(torch.cuda.Event, profile)
         Scheduler._dspine_step_profile = True
     return True
 
