@@ -20,7 +20,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dspine.engine.targets import RANDOM_MASK_TOKENS, load_target_config, random_target_config, target_identity
+from dspine.engine.targets import (RANDOM_MASK_TOKENS, RANDOM_SHAPES, load_target_config, random_target_config,
+                                   target_identity)
 from dspine.model.checkpoint import check_target_compatible, expected_shapes, hf_config
 from dspine.model.config import DSpineConfig
 from dspine.serve.presets import load_preset
@@ -69,13 +70,7 @@ TARGETS = {
         target_params=(26.0e9, 28.0e9), window=8192, target_layer_ids=(1, 16, 31, 46, 61),
         drafter_params=1_987_216_897, mask_token_id=248070),
 }
-QWEN38_27B_TEXT = dict(  # the text_config block of Qwen/Qwen3.8-27B's config.json (shape keys)
-    model_type="qwen3_5_text", hidden_size=5120, num_hidden_layers=64, vocab_size=248320, intermediate_size=17408,
-    num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
-    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
-    rms_norm_eps=1e-6, tie_word_embeddings=False,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16)
+QWEN38_27B_TEXT = RANDOM_SHAPES["qwen3.8-27b"]   # the text_config block of its config.json (shape keys)
 
 
 # ------------------------------------------------------------------ independent expectations

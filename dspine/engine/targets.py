@@ -13,7 +13,7 @@
   (local hub cache first). Offline, an uncached id raises `TargetLoadError`.
 
 `load_random_target("random:SHAPE")` builds a target of a known shape (`RANDOM_SHAPES`:
-`random:smollm2-135m`, `random:qwen3-8b`) or of any `config.json` (`random:PATH`, the file or its
+`random:smollm2-135m`, `random:qwen3-8b`, `random:qwen3.8-27b`) or of any `config.json` (`random:PATH`, the file or its
 directory) with random weights and no checkpoint: throughput and memory measurements of training.
 `load_target_config` and `target_identity` accept these specs too; a random target of a real
 target's shape has that target's fingerprint.
@@ -137,8 +137,17 @@ RANDOM_SHAPES: dict[str, dict] = {
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1000000.0,
                      max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645),
+    # The text part of Qwen/Qwen3.8-27B (Qwen3.5 layout, hybrid): 64 layers = 16 x (3 Gated-DeltaNet +
+    # 1 gated full attention of 24 heads / 4 KV heads / head_dim 256), MLP 17408, vocab 248320 (padded).
+    "qwen3.8-27b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+                        num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                        linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
+                        rms_norm_eps=1e-6, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+                        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16),
 }
-RANDOM_MASK_TOKENS = {"smollm2-135m": 16, "qwen3-8b": 151654}
+RANDOM_MASK_TOKENS = {"smollm2-135m": 16, "qwen3-8b": 151654, "qwen3.8-27b": 248070}
 
 
 def is_random_target(spec: str | None) -> bool:

@@ -309,3 +309,29 @@ def test_the_target_head_attaches(served):
     assert tuple(table.shape) == (p.vocab, p.rank) and table.is_meta
     with pytest.raises(ValueError, match="trained for"):
         build().attach_target_head(other, tp_group=compat.tp_group())
+
+
+@pytest.mark.parametrize("shape", ["qwen3-8b", "qwen3.8-27b"])
+def test_the_dummy_serving_folders_are_what_sglang_resolves(shape, tmp_path):
+    """`scripts/make_real_shape_dirs.py`'s folders: SGLang resolves each architecture to a model class
+    it has, and reads the DFlash twin's captured layers and block as the DSpine drafter's."""
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+    from sglang.srt.utils.hf_transformers_utils import get_config
+
+    from dspine.bench.real_shapes import write_shape
+
+    load_plugins()   # registers DSpineDraftModel
+    p = TARGETS[shape]
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0}}}))
+    root = write_shape(shape, tok, tmp_path / "out")
+    for name in ("target", "dspine", "dflash"):
+        arch = json.loads((root / name / "config.json").read_text())["architectures"]
+        assert ModelRegistry.resolve_model_cls(arch)[1] == arch[0]
+    dflash = parse_dflash_draft_config(draft_hf_config=get_config(str(root / "dflash"), trust_remote_code=False))
+    assert dflash.resolve_block_size(default=0) == p.block
+    assert dflash.resolve_target_layer_ids(target_num_layers=p.layers, draft_num_layers=p.draft_layers) == list(
+        p.target_layer_ids)
