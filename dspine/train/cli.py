@@ -44,7 +44,7 @@ def cmd_train(args) -> int:
             print(profile_training(cfg, device=device, steps=args.profile_steps))
             return 0
         limit = args.time_limit_minutes * 60 if args.time_limit_minutes else None
-        export = train(cfg, device=device, time_limit_s=limit, progress=not args.quiet)
+        export = train(cfg, device=device, time_limit_s=limit, progress=not args.quiet, warm_start=args.warm_start)
     except (TrainConfigError, TargetLoadError) as exc:
         print(f"dspine train: error: {exc}", file=sys.stderr)
         return 2
@@ -121,6 +121,9 @@ def add_command(sub) -> None:
                    help="> 0: save the state and exit with status 3 after this long (run again to resume)")
     t.add_argument("--profile-steps", type=cli_args.non_negative_int, default=0, metavar="N",
                    help="profile N steps (after 3 warm-up steps) and print where the time goes; trains nothing")
+    t.add_argument("--warm-start", action="store_true",
+                   help="the run directory's state is another run's (config, target or data differ): continue from "
+                        "its weights with a new optimizer, schedule and log (without it such a state is refused)")
     t.add_argument("-q", "--quiet", action="store_true")
     t.set_defaults(func=cmd_train)
 

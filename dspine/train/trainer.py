@@ -31,7 +31,7 @@ from dspine.model.checkpoint import save_checkpoint
 from dspine.model.config import DSpineConfig
 from dspine.model.drafter import DSpineDrafter
 from dspine.model.selection import select_tokens
-from dspine.train import distributed
+from dspine.train import distributed, resume
 from dspine.train.blocks import BlockBatch, make_block_batch
 from dspine.train.config import TrainConfig, TrainConfigError
 from dspine.train.losses import DrafterObjective, chunk_gradients, step_norms
@@ -251,12 +251,15 @@ def train_step(objective: nn.Module, target, batches: list[BlockBatch], opt: tor
     return terms, grad_norm
 
 
-def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, progress: bool = True) -> Path | None:
+def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, progress: bool = True,
+          warm_start: bool = False) -> Path | None:
     """Run (or resume) training. Returns the exported checkpoint dir when `cfg.steps` is reached,
     None when the time limit stopped it first (run again to resume).
 
     Before anything is written or the target loads, in this order: the config, the data file (every
-    line a record, of this target, enough of them), the run directory (writable); each failure is a
+    line a record, of this target, enough of them), the run directory (writable), and for a run
+    directory holding a state, that the state is this run's (`resume.check`: same config fields,
+    target and data; `warm_start` continues from its weights alone); each failure is a
     TrainConfigError naming the file, line or key and the fix."""
     from tqdm.auto import tqdm
 
@@ -275,6 +278,12 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
                                f"(--set heldout_sequences=N, --batch-size N)")
     run_dir = Path(cfg.run_dir)
     check_run_dir(run_dir)
+    state_file, key_file = run_dir / "state.pt", run_dir / "run_key.json"
+    key = resume.run_key(cfg, identity["fingerprint"], len(records))
+    mode = None
+    if state_file.exists():
+        saved = json.loads(key_file.read_text()) if key_file.is_file() else None
+        mode = resume.check(saved, key, state_file=state_file, warm_start=warm_start)
     write_json_atomic(run_dir / "train_config.json", dataclasses.asdict(cfg))
     torch.manual_seed(cfg.seed)
     target, model, opt = build_training(cfg, device)
@@ -283,14 +292,20 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
     random.Random(cfg.seed).shuffle(records)
     heldout, records = records[: cfg.heldout_sequences], records[cfg.heldout_sequences:]
     step, log = 0, []
-    state_file = run_dir / "state.pt"
-    if state_file.exists():
+    if mode is not None:
         state = torch.load(state_file, map_location=device, weights_only=False)
         model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        step, log = state["step"], state["log"]
+        if mode == "resume":
+            resume.check(state.get("key"), key, state_file=state_file, warm_start=False)  # the state itself too
+            opt.load_state_dict(state["optimizer"])
+            step, log = state["step"], state["log"]
+            resume.restore_rng(state["rng"])
+        elif dist.main:
+            write_json_atomic(run_dir / "warm_start.json", {"from_step": state["step"], "from_key": state.get("key"),
+                                                            "differences": resume.differences(state.get("key") or {}, key)})
         if dist.main:
-            print(f"dspine train: resumed {run_dir} at step {step}")
+            print(f"dspine train: {'resumed' if mode == 'resume' else 'warm-started'} {run_dir} at step "
+                  f"{state['step']}" + ("" if mode == "resume" else " (weights only; new optimizer and schedule)"))
     objective = make_objective(model, cfg)
     sampler = distributed.SequenceSampler(records, seed=cfg.seed, rank=dist.rank, world=dist.world)
     bar = tqdm(total=cfg.steps, initial=step, desc=f"train {run_dir.name}", unit="step",
@@ -300,9 +315,11 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
 
     def save_state() -> None:
         if dist.main:
-            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "log": log}
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "log": log,
+                     "key": key, "rng": resume.rng_state()}
             # torch.save writes the temporary file by path (the writer's file object is text)
             write_atomic(state_file, lambda f: None, check=lambda tmp: torch.save(state, tmp))
+            write_json_atomic(key_file, key, indent=1)
             write_json_atomic(run_dir / "log.json", log, indent=1)
         dist.barrier()
 

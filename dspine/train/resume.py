@@ -1,0 +1,99 @@
+"""What a saved training state must match to be continued, and the RNG state it carries.
+
+A run directory's `state.pt` holds the model, the optimizer, the step, the log, every RNG state and
+the run's key:
+
+    {"config": {field: value} of RESUME_FIELDS, "config_hash": 16 hex digits of those fields,
+     "target": the target's fingerprint (`targets.target_identity`),
+     "data": 16 hex digits of the data file's bytes, "records": its usable sequence count}
+
+The data position is a function of (seed, step, batch shape, records): `SequenceSampler` draws
+batches by position, so the same key and step give the same next batch on any host. Resuming with
+a different key would silently train another run, so `check` refuses it and names each difference;
+`--warm-start` instead keeps only the saved weights and starts a fresh optimizer, schedule and log
+(the log records what it started from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from dspine.train.config import TrainConfig, TrainConfigError
+
+# TrainConfig fields that change what a step computes or which data it sees. Not in it: where files
+# go (run_dir, data: its content is hashed instead), how often to evaluate, save and log, the export
+# shard size, `compile` (the same arithmetic, fused), and `steps`: a campaign may be lengthened or
+# shortened between sessions (the cosine schedule then decays toward the new end from the step it
+# resumes at).
+NOT_RESUME_FIELDS = ("run_dir", "data", "eval_every", "save_every", "log_every", "export_shard_bytes", "compile",
+                     "steps")
+RESUME_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in NOT_RESUME_FIELDS)
+
+
+def _digest(payload: bytes) -> str:
+    return hashlib.sha256(payload).hexdigest()[:16]
+
+
+def file_digest(path: str | Path) -> str:
+    """16 hex digits of the file's bytes (read in 1 MiB pieces)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 20), b""):
+            h.update(piece)
+    return h.hexdigest()[:16]
+
+
+def run_key(cfg: TrainConfig, target_fingerprint: str, records: int) -> dict:
+    """The key of a run (module docstring)."""
+    fields = {name: getattr(cfg, name) for name in RESUME_FIELDS}
+    return {"config": fields, "config_hash": _digest(json.dumps(fields, sort_keys=True, default=str).encode()),
+            "target": target_fingerprint, "data": file_digest(cfg.data), "records": int(records)}
+
+
+def differences(saved: dict, current: dict) -> list[str]:
+    """What differs between two run keys, one phrase each (config fields by name)."""
+    found = []
+    old_cfg, new_cfg = saved.get("config", {}), current["config"]
+    for name in sorted(set(old_cfg) | set(new_cfg)):
+        if old_cfg.get(name) != new_cfg.get(name):
+            found.append(f"config {name}: saved {old_cfg.get(name)!r}, now {new_cfg.get(name)!r}")
+    if saved.get("target") != current["target"]:
+        found.append(f"target fingerprint: saved {saved.get('target')}, now {current['target']}")
+    if saved.get("data") != current["data"] or saved.get("records") != current["records"]:
+        found.append(f"data: saved {saved.get('data')} ({saved.get('records')} sequences), now "
+                     f"{current['data']} ({current['records']} sequences)")
+    return found
+
+
+def check(saved: dict | None, current: dict, *, state_file: Path, warm_start: bool) -> str:
+    """"resume" or "warm-start" for a run whose `state_file` holds `saved` (None: a state written
+    without a key); TrainConfigError naming every difference and both fixes otherwise."""
+    found = ["the saved state has no run key"] if saved is None else differences(saved, current)
+    if not found:
+        return "resume"
+    if warm_start:
+        return "warm-start"
+    raise TrainConfigError(f"{state_file} belongs to another run: " + "; ".join(found) + ". Fix: train with the "
+                           "saved config, target and data to resume, pass --warm-start to start a new schedule "
+                           "from the saved weights, or use another --run-dir")
+
+
+def rng_state() -> dict:
+    """Every RNG a step may draw from: Python's, torch's CPU generator and each CUDA device's."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

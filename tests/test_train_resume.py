@@ -1,0 +1,84 @@
+"""Resuming a training run (`dspine.train.resume` in `trainer.train`): an interrupted run resumed
+from its state ends with exactly the weights of an uninterrupted one; a state of another run
+(config, data) is refused before anything is written, naming what differs; `--warm-start` continues
+from its weights with a fresh optimizer and schedule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_train import _config, tiny_target_dir  # noqa: F401  (the module fixture)
+
+import dspine.train.trainer as trainer
+from dspine.train.config import TrainConfig, TrainConfigError
+
+
+def final_state(run_dir):
+    return torch.load(run_dir / "state.pt", weights_only=False)
+
+
+def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path, tiny_target_dir, monkeypatch):  # noqa: F811
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    straight = _config(tmp_path / "a", tiny_target_dir, steps=10)
+    trainer.train(straight, device="cpu", progress=False)
+    interrupted = _config(tmp_path / "b", tiny_target_dir, steps=10)
+    real_step, calls = trainer.train_step, []
+
+    def crash_at_step_7(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 7:
+            raise KeyboardInterrupt               # after the state saved at step 5
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", crash_at_step_7)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(interrupted, device="cpu", progress=False)
+    monkeypatch.setattr(trainer, "train_step", real_step)
+    assert final_state(tmp_path / "b" / "run")["step"] == 5
+    trainer.train(interrupted, device="cpu", progress=False)
+    a, b = final_state(tmp_path / "a" / "run"), final_state(tmp_path / "b" / "run")
+    assert a["step"] == b["step"] == 10
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    assert [e["final"] for e in a["log"]] == [e["final"] for e in b["log"]]
+
+
+def test_another_runs_state_is_refused_or_warm_started(tmp_path, tiny_target_dir):  # noqa: F811
+    cfg = _config(tmp_path, tiny_target_dir, steps=5)
+    trainer.train(cfg, device="cpu", progress=False)
+    run = tmp_path / "run"
+    saved = final_state(run)
+    config_before = (run / "train_config.json").read_text()
+
+    changed = TrainConfig(**{**cfg.__dict__, "lr": 3e-3})
+    with pytest.raises(TrainConfigError, match=r"config lr: saved 0.01, now 0.003.*--warm-start"):
+        trainer.train(changed, device="cpu", progress=False)
+    assert (run / "train_config.json").read_text() == config_before            # nothing written
+    with open(cfg.data, "a") as f:                                               # one more sequence
+        f.write(json.dumps({"ids": [1, 2, 3] + [50, 60, 70] * 8, "answer_start": 3}) + "\n")
+    with pytest.raises(TrainConfigError, match=r"data: saved \w+ \(12 sequences\), now \w+ \(13 sequences\)"):
+        trainer.train(cfg, device="cpu", progress=False)
+
+    longer = TrainConfig(**{**changed.__dict__, "steps": 7})
+    captured = {}
+    real_step = trainer.train_step
+
+    def first_weights(objective, *args, **kwargs):
+        captured.setdefault("weights", {k: v.clone() for k, v in trainer.distributed.unwrap(objective).drafter
+                                        .state_dict().items()})
+        return real_step(objective, *args, **kwargs)
+
+    trainer.train_step = first_weights
+    try:
+        trainer.train(longer, device="cpu", progress=False, warm_start=True)
+    finally:
+        trainer.train_step = real_step
+    for name, tensor in saved["model"].items():                                  # started from the saved weights
+        assert torch.equal(captured["weights"][name], tensor), name
+    note = json.loads((run / "warm_start.json").read_text())
+    assert note["from_step"] == 5 and any(d.startswith("config lr") for d in note["differences"])
+    assert any(d.startswith("data:") for d in note["differences"])
+    assert final_state(run)["step"] == 7 and final_state(run)["log"][0]["step"] == 5   # a new log from step 0
