@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspine.sglang.round_graph import accept_greedy, greedy_round_ok
+from dspine.sglang.round_graph import accept_greedy, round_kind
 
 
 def accept_by_loop(verify_ids, top1, prefix):
@@ -40,21 +40,24 @@ def test_accept_rule_matches_a_loop_over_positions(seed):
     assert int(commit[0]) == width
 
 
-def test_only_plain_greedy_batches_take_the_captured_round():
+def test_greedy_and_plain_sampled_batches_take_the_captured_round():
     greedy = SimpleNamespace(is_all_greedy=True, has_custom_logit_processor=False, logit_bias=None,
                              acc_additive_penalties=None, acc_scaling_penalties=None, grammar_mask=None,
                              vocab_mask=None, penalizer_orchestrator=None)   # the worker's copy_for_forward
-    assert greedy_round_ok(SimpleNamespace(sampling_info=greedy))
-    assert greedy_round_ok(SimpleNamespace(sampling_info=None))
-    changed = {"is_all_greedy": False, "has_custom_logit_processor": True, "logit_bias": torch.zeros(1),
+    assert round_kind(SimpleNamespace(sampling_info=greedy)) == "greedy"
+    assert round_kind(SimpleNamespace(sampling_info=None)) == "greedy"
+    assert round_kind(SimpleNamespace(sampling_info=SimpleNamespace(**{**vars(greedy), "is_all_greedy": False}))) \
+        == "sampled"
+    changed = {"has_custom_logit_processor": True, "logit_bias": torch.zeros(1),
                "acc_additive_penalties": torch.zeros(1), "acc_scaling_penalties": torch.ones(1),
                "grammar_mask": object(), "vocab_mask": torch.zeros(1),
                "penalizer_orchestrator": SimpleNamespace(is_required=True)}
     for name, value in changed.items():
-        info = SimpleNamespace(**{**vars(greedy), name: value})
-        assert not greedy_round_ok(SimpleNamespace(sampling_info=info)), name
-    assert not greedy_round_ok(SimpleNamespace(sampling_info=greedy, return_logprob=True))
-    assert not greedy_round_ok(SimpleNamespace(sampling_info=greedy, has_grammar=True))
+        for greedy_rows in (True, False):
+            info = SimpleNamespace(**{**vars(greedy), "is_all_greedy": greedy_rows, name: value})
+            assert round_kind(SimpleNamespace(sampling_info=info)) is None, name
+    assert round_kind(SimpleNamespace(sampling_info=greedy, return_logprob=True)) is None
+    assert round_kind(SimpleNamespace(sampling_info=greedy, has_grammar=True)) is None
 
 
 def test_stage_clock_reads_finished_rounds_without_waiting(caplog):

@@ -316,8 +316,9 @@ class DSpineWorkerV2(DFlashWorkerV2):
     def forward_batch_generation(self, batch, *args, **kwargs):
         verify_step = _is_verify_step(batch)
         drafts = verify_step and self._drafts_this_step(batch)
-        if drafts and self._round_graphs is not None and self._round_graphs.can_run(batch):
-            return self._round_step(batch, kwargs.get("on_publish", args[0] if args else None))
+        kind = self._round_graphs.kind_for(batch) if drafts and self._round_graphs is not None else None
+        if kind is not None:
+            return self._round_step(batch, kind, kwargs.get("on_publish", args[0] if args else None))
         if self._history is None:
             return self._forward_step(batch, verify_step, drafts, *args, **kwargs)
         history = self._history
@@ -332,13 +333,14 @@ class DSpineWorkerV2(DFlashWorkerV2):
                                   result.next_token_ids)
         return result
 
-    def _round_step(self, batch, on_publish):
-        """A greedy drafted round through the captured round graphs (history writes included)."""
+    def _round_step(self, batch, kind: str, on_publish):
+        """A drafted round through the captured round graphs (`kind`: greedy or sampled; history
+        writes included)."""
         started = time.perf_counter() if self._record_steps else 0.0
         self.draft_model.ensure_transfer_table(serving=True)
         if self._record_steps:
             step_clock.CLOCK.tick("draft", len(batch.reqs), started)
-        result = self._round_graphs.run(batch, on_publish)
+        result = self._round_graphs.run(batch, kind, on_publish)
         self._after_drafted_step(batch, result)
         return result
 

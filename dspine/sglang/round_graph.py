@@ -1,4 +1,4 @@
-"""`RoundGraphs`: a greedy DSPINE decode round as five CUDA-graph launches, no per-step planning.
+"""`RoundGraphs`: a DSPINE decode round as five CUDA-graph launches, no per-step planning.
 
 SGLang's DFlash round (the path `DSpineWorkerV2` inherits) plans each of its two forwards on the
 host: it builds a `ForwardBatch`, copies it into the graph runner's static buffers
@@ -13,24 +13,28 @@ not the GPU, sets the round's period. Here everything between the two forwards i
     G2[n]   verify ids (anchor + proposals), the target runner's `load_batch`
     T[n]    SGLang's captured TARGET_VERIFY forward (logits [n*B, V], DFlash aux hidden)
     G3[n]   argmax, accept rule, commit, drafter-KV append, token-history commit
+            (G3s[n] for sampled batches: DFlash's sampled verify instead of the argmax, reading
+            the batch's temperature, top-k and top-p from static rows)
 
 for every batch size n both runners captured. `load_batch` is host code that only launches
 kernels over static buffers when the batch it is given *is* static buffers at a captured size
 (no padding decisions, no host reads; triton attention never reads `seq_lens_cpu`), so running
 it inside G1/G2's capture records exactly the work it would redo every step.
 
-Per round the host copies the live request rows (pool slot, committed length, anchor) into the
-static inputs, pads rows n..N to SGLang's padding row (slot 0: its `req_to_token` row is never
+Per round the host copies the live request rows (pool slot, committed length, anchor; for a
+sampled batch its sampling parameters) into the static inputs, pads rows n..N to SGLang's padding row (slot 0: its `req_to_token` row is never
 allocated, so every padded write lands in KV slot 0) and launches the five graphs. Outputs are
 copied into one of two ring slots, as DFlash's own accept buffers are, so a result the overlap
 scheduler still holds survives the next round.
 
-Used only where it is exactly the DFlash round: greedy batches (argmax verify) without penalties,
-logit bias, custom logit processors, grammars or logprobs, tp = 1, triton attention on both
-runners, full CUDA graphs, no hybrid (ReplaySSM) target, and SGLang
+Used only where it is exactly the DFlash round (`round_kind`): batches without penalties, logit
+bias, custom logit processors, grammars or logprobs, greedy (argmax verify) or, with
+`DSPINE_ROUND_GRAPH=all`, sampled with temperature, top-k and top-p (DFlash's sampled verify,
+where this SGLang build has it); tp = 1,
+triton attention on both runners, full CUDA graphs, no hybrid (ReplaySSM) target, and SGLang
 without the DFlash selector seam (0.5.17; on 0.5.20+ SGLang's selector sampler stages its inputs
-on the host each step). Anything else
-takes SGLang's path, step by step. `DSPINE_ROUND_GRAPH=0` turns it off.
+on the host each step). Anything else takes SGLang's path, step by step. `DSPINE_ROUND_GRAPH=0`
+turns it off.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
@@ -52,40 +57,47 @@ RING_SLOTS = 2
 STAGES = ("g1", "draft", "g2", "verify", "g3")
 
 
-def accept_greedy(verify_ids: Tensor, target_top1: Tensor, prefix_lens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The DFlash greedy accept rule on static shapes.
-
-    verify_ids [n, B] (anchor, then B-1 proposals), target_top1 [n, B] (the target's argmax after
-    each verify position), prefix_lens [n]. Returns (out_tokens [n, B] int64: the accepted
-    proposals then the bonus at column accept_len, later columns stale; commit_lens [n] int32 =
-    accept_len + 1; bonus [n] int64; new_seq_lens [n] int64 = prefix_lens + commit_lens)."""
+def commit_tokens(verify_ids: Tensor, accept_len: Tensor, bonus: Tensor,
+                  prefix_lens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What a verify commits, as DFlash lays it out: verify_ids [n, B] (anchor, then B-1 proposals),
+    accept_len [n] accepted proposals, bonus [n] the target's token after them, prefix_lens [n].
+    Returns (out_tokens [n, B] int64: the accepted proposals then the bonus at column accept_len,
+    later columns stale; commit_lens [n] int32 = accept_len + 1; bonus [n] int64; new_seq_lens [n]
+    int64 = prefix_lens + commit_lens)."""
     n, width = verify_ids.shape
-    proposals = verify_ids[:, 1:]
-    matches = (proposals == target_top1[:, :-1]).to(torch.int64)
-    accept_len = torch.cumprod(matches, dim=1).sum(dim=1)                      # [n]
-    bonus = target_top1.gather(1, accept_len[:, None]).squeeze(1).to(torch.int64)
+    accept_len = accept_len.to(torch.int64)
+    bonus = bonus.to(torch.int64)
     out_tokens = torch.zeros((n, width), dtype=torch.int64, device=verify_ids.device)
-    out_tokens[:, : width - 1] = proposals
+    out_tokens[:, : width - 1] = verify_ids[:, 1:]
     out_tokens.scatter_(1, accept_len[:, None], bonus[:, None])
-    commit_lens = (accept_len + 1).to(torch.int32)
-    new_seq_lens = prefix_lens.to(torch.int64) + accept_len + 1
-    return out_tokens, commit_lens, bonus, new_seq_lens
+    return out_tokens, (accept_len + 1).to(torch.int32), bonus, prefix_lens.to(torch.int64) + accept_len + 1
 
 
-def greedy_round_ok(batch) -> bool:
-    """Whether this decode batch's verify is the plain argmax DFlash runs for greedy batches
-    (nothing that adjusts logits, constrains tokens or asks for logprobs)."""
+def accept_greedy(verify_ids: Tensor, target_top1: Tensor, prefix_lens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The DFlash greedy accept rule on static shapes: target_top1 [n, B] is the target's argmax
+    after each verify position; a proposal is accepted while it equals the argmax before it, and
+    the bonus is the argmax after the last accepted one. Returns `commit_tokens`'s tuple."""
+    matches = (verify_ids[:, 1:] == target_top1[:, :-1]).to(torch.int64)
+    accept_len = torch.cumprod(matches, dim=1).sum(dim=1)                      # [n]
+    bonus = target_top1.gather(1, accept_len[:, None]).squeeze(1)
+    return commit_tokens(verify_ids, accept_len, bonus, prefix_lens)
+
+
+def round_kind(batch) -> Optional[str]:
+    """"greedy" when this decode batch's verify is the plain argmax DFlash runs for all-greedy
+    batches, "sampled" when it is DFlash's sampled verify with nothing else (temperature, top-k and
+    top-p only), None otherwise (logit bias, penalties, custom logit processors, grammars, logprobs:
+    SGLang's path)."""
     if getattr(batch, "return_logprob", False) or getattr(batch, "has_grammar", False):
-        return False
+        return None
     info = getattr(batch, "sampling_info", None)
     if info is None:
-        return True
-    if not getattr(info, "is_all_greedy", False) or getattr(info, "has_custom_logit_processor", False):
-        return False
-    for name in ("logit_bias", "grammar_mask", "vocab_mask"):
-        if getattr(info, name, None) is not None:
-            return False
-    return not has_penalties(info)
+        return "greedy"
+    if getattr(info, "has_custom_logit_processor", False) or has_penalties(info):
+        return None
+    if any(getattr(info, name, None) is not None for name in ("logit_bias", "grammar_mask", "vocab_mask")):
+        return None
+    return "greedy" if getattr(info, "is_all_greedy", False) else "sampled"
 
 
 def has_penalties(sampling_info) -> bool:
@@ -151,6 +163,10 @@ class _Buffers:
         self.draft_lens = torch.full((rows,), PAD_SEQ_LEN, dtype=torch.int32, device=device)  # window-clamped
         self.embeds = torch.zeros((rows * width, int(hidden)), dtype=embed_dtype, device=device)
         self.offsets = torch.arange(width, **i64)
+        # Sampling parameters of a sampled round (padding rows: top-k 1, i.e. greedy).
+        self.temperatures = torch.ones((rows,), dtype=torch.float32, device=device)
+        self.top_ks = torch.ones((rows,), dtype=torch.int32, device=device)
+        self.top_ps = torch.ones((rows,), dtype=torch.float32, device=device)
         # Outputs G3 writes: tokens [N*B] | bonus [N] | new_seq_lens [N] (int64), commit_lens [N] (int32).
         self.out64 = torch.zeros((rows * width + 2 * rows,), **i64)
         self.commit = torch.zeros((rows,), dtype=torch.int32, device=device)
@@ -166,7 +182,7 @@ class RoundGraphs:
     on_publish)` returns the step's `GenerationBatchResult`."""
 
     def __init__(self, worker, *, draft_runner, target_runner, draft_sampler, sizes: list[int],
-                 history=None) -> None:
+                 history=None, sampled_accept: Optional[Callable] = None) -> None:
         self.worker = worker
         self.draft_runner, self.target_runner = draft_runner, target_runner
         self.sampler = draft_sampler
@@ -185,6 +201,11 @@ class RoundGraphs:
         self._verify_batches = {n: self._forward_batch(n, draft=False) for n in self.sizes}
         self._graphs: dict[tuple[str, int], Callable[[], None]] = {}
         self._runner_keys: dict[tuple[str, int], object] = {}
+        # DFlash's sampled verify (`compute_dflash_sampling_correct_drafts_and_bonus`), None: greedy only.
+        self.sampled_accept = sampled_accept
+        self._sampling_infos = {n: SimpleNamespace(
+            temperatures=self.buf.temperatures[:n].view(n, 1), top_ks=self.buf.top_ks[:n], top_ps=self.buf.top_ps[:n],
+            need_top_k_sampling=True, need_top_p_sampling=True) for n in self.sizes}
         self._ring = 0
         self.rounds = 0
         every = env.DSPINE_ROUND_TIMING.get()
@@ -246,12 +267,21 @@ class RoundGraphs:
         b.verify_ids[:n, 1:].copy_(self.sampler.out[: n * gamma].view(n, gamma))
         self.target_runner.load_batch(self._verify_batches[n])
 
-    def _commit(self, n: int, target_out) -> None:
-        """G3: accept, commit, drafter-KV append and token-history commit for n rows."""
+    def _commit(self, n: int, target_out, sampled: bool = False) -> None:
+        """G3 (G3s when `sampled`): accept, commit, drafter-KV append and token-history commit for n
+        rows. The sampled accept is DFlash's own, on the dense path (softmax, then top-k and top-p
+        renormalisation of every row: the same distributions as its sparse top-k path, with shapes
+        that do not depend on the batch's largest top-k)."""
         b, width = self.buf, self.block_size
         logits = target_out.next_token_logits[: n * width]
-        top1 = torch.argmax(logits, dim=-1).view(n, width)
-        out_tokens, commit, bonus, new_seq_lens = accept_greedy(b.verify_ids[:n], top1, b.prefix_lens[:n])
+        if sampled:
+            accept_len, bonus = self.sampled_accept(candidates=b.verify_ids[:n], next_token_logits=logits,
+                                                    sampling_info=self._sampling_infos[n], use_sparse_topk=False)
+            out_tokens, commit, bonus, new_seq_lens = commit_tokens(b.verify_ids[:n], accept_len, bonus,
+                                                                    b.prefix_lens[:n])
+        else:
+            top1 = torch.argmax(logits, dim=-1).view(n, width)
+            out_tokens, commit, bonus, new_seq_lens = accept_greedy(b.verify_ids[:n], top1, b.prefix_lens[:n])
         b.out64[: n * width].copy_(out_tokens.view(-1))
         b.out64[n * width: n * width + n].copy_(bonus)
         b.out64[n * width + n: n * width + 2 * n].copy_(new_seq_lens)
@@ -275,16 +305,22 @@ class RoundGraphs:
         with torch.inference_mode():
             for n in reversed(self.sizes):
                 self._capture_size(n, pool)
-        logger.info("DSPINE round graphs captured for batch sizes %s in %.1f s.", self.sizes,
-                    time.perf_counter() - started)
+        logger.info("DSPINE round graphs captured for batch sizes %s in %.1f s (%s).", self.sizes,
+                    time.perf_counter() - started,
+                    "greedy and sampled" if self.sampled_accept is not None else "greedy only")
 
     def stages(self, n: int) -> dict[str, Callable[[], None]]:
-        """G1, G2, G3 for n rows, as plain callables (what `capture` records)."""
-        return {"g1": lambda: self._stage_draft_inputs(n), "g2": lambda: self._stage_verify_inputs(n),
-                "g3": lambda: self._commit(n, self._runner_output("target", n))}
+        """G1, G2, G3 (and G3s, the sampled commit) for n rows, as plain callables (what `capture`
+        records)."""
+        stages = {"g1": lambda: self._stage_draft_inputs(n), "g2": lambda: self._stage_verify_inputs(n),
+                  "g3": lambda: self._commit(n, self._runner_output("target", n))}
+        if self.sampled_accept is not None:
+            stages["g3s"] = lambda: self._commit(n, self._runner_output("target", n), sampled=True)
+        return stages
 
     def _capture_size(self, n: int, pool) -> None:
         stages = self.stages(n)
+        sampled = stages.pop("g3s", None)
         with _host_syncs_raise():
             for _ in range(2):
                 stages["g1"]()
@@ -294,10 +330,22 @@ class RoundGraphs:
                 stages["g3"]()
         torch.cuda.synchronize()
         for name, fn in stages.items():
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                fn()
-            self._graphs[(name, n)] = graph.replay
+            self._graphs[(name, n)] = _capture(fn, pool)
+        if sampled is None:
+            return
+        try:   # the sampled commit is optional: greedy rounds stay captured without it
+            with _host_syncs_raise():
+                for _ in range(2):
+                    sampled()
+            torch.cuda.synchronize()
+            self._graphs[("g3s", n)] = _capture(sampled, pool)
+        except Exception as exc:
+            logger.warning("DSPINE sampled rounds not captured (%s: %s); sampled batches take SGLang's DFlash path.",
+                           type(exc).__name__, exc)
+            torch.cuda.synchronize()
+            self.sampled_accept = None
+            for key in [k for k in self._graphs if k[0] == "g3s"]:
+                del self._graphs[key]
 
     # ------------------------------------------------------------------ serving
     def size_for(self, bs: int) -> Optional[int]:
@@ -306,11 +354,15 @@ class RoundGraphs:
                 return n
         return None
 
-    def can_run(self, batch) -> bool:
-        return 0 < len(batch.reqs) and self.size_for(len(batch.reqs)) is not None and greedy_round_ok(batch)
+    def kind_for(self, batch) -> Optional[str]:
+        """"greedy" or "sampled" when this batch's round can run captured, else None."""
+        if not batch.reqs or self.size_for(len(batch.reqs)) is None:
+            return None
+        kind = round_kind(batch)
+        return None if kind == "sampled" and self.sampled_accept is None else kind
 
-    def run(self, batch, on_publish=None):
-        """One greedy round for `batch` (a decode batch `can_run` accepted); SGLang's result."""
+    def run(self, batch, kind: str, on_publish=None):
+        """One round of `kind` ("greedy" / "sampled", what `kind_for` said) for `batch`; SGLang's result."""
         from sglang.srt.layers.logits_processor import LogitsProcessorOutput
         from sglang.srt.managers.utils import GenerationBatchResult
 
@@ -323,13 +375,22 @@ class RoundGraphs:
         b.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         b.prefix_lens[:bs].copy_(batch.seq_lens)
         b.bonus[:bs].copy_(draft_input.bonus_tokens.view(-1))
+        if kind == "sampled":
+            info = batch.sampling_info
+            b.temperatures[:bs].copy_(info.temperatures.view(-1))
+            b.top_ks[:bs].copy_(info.top_ks.view(-1))
+            b.top_ps[:bs].copy_(info.top_ps.view(-1))
         if n > bs:
             b.req_pool_indices[bs:n].zero_()
             b.prefix_lens[bs:n].fill_(PAD_SEQ_LEN)
             b.bonus[bs:n].zero_()
+            if kind == "sampled":
+                b.temperatures[bs:n].fill_(1.0)
+                b.top_ks[bs:n].fill_(1)
+                b.top_ps[bs:n].fill_(1.0)
         launches = (self._graphs[("g1", n)], self.draft_runner.backend._graphs[self._runner_keys[("draft", n)]].replay,
                     self._graphs[("g2", n)], self.target_runner.backend._graphs[self._runner_keys[("target", n)]].replay,
-                    self._graphs[("g3", n)])
+                    self._graphs[("g3s" if kind == "sampled" else "g3", n)])
         if self.clock is None:
             for launch in launches:
                 launch()
@@ -363,6 +424,14 @@ class RoundGraphs:
             speculative_num_draft_tokens=width, new_seq_lens=new_seq_lens)
 
 
+def _capture(fn: Callable[[], None], pool) -> Callable[[], None]:
+    """`fn` recorded into a CUDA graph in `pool`; returns its replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph.replay
+
+
 @contextmanager
 def _host_syncs_raise():
     """Any host-device synchronisation inside raises (it would break a capture)."""
@@ -376,7 +445,7 @@ def _host_syncs_raise():
 
 def why_not_round_graphs(worker) -> Optional[str]:
     """None when the worker's rounds can be captured whole, else the reason they cannot."""
-    if not env.DSPINE_ROUND_GRAPH.get():
+    if env.DSPINE_ROUND_GRAPH.get() == "0":
         return f"{env.DSPINE_ROUND_GRAPH.name}=0"
     if not torch.cuda.is_available() or not str(worker.device).startswith("cuda"):
         return "not a CUDA device"
@@ -425,8 +494,13 @@ def build_round_graphs(worker, history=None) -> Optional[RoundGraphs]:
     if not sizes:
         logger.info("DSPINE round graphs off: the draft and target runners share no captured batch size.")
         return None
+    from sglang.srt.speculative import dflash_utils
+
+    sampled = (dflash_utils.compute_dflash_sampling_correct_drafts_and_bonus
+               if env.DSPINE_ROUND_GRAPH.get() == "all" and dflash_utils.is_dflash_sampling_verify_available()
+               else None)
     graphs = RoundGraphs(worker, draft_runner=draft, target_runner=target, draft_sampler=worker._draft_sampler,
-                         sizes=sizes, history=history)
+                         sizes=sizes, history=history, sampled_accept=sampled)
     try:
         graphs.capture()
     except Exception as exc:   # a kernel that syncs, a runner that differs: serve SGLang's path instead

@@ -49,7 +49,7 @@ class FakeRunner:
         self._replay_graph_key = (self.role, fb.batch_size)
 
 
-def build(sizes, wrong_at, window=None):
+def build(sizes, wrong_at, window=None, sampled_accept=None):
     """A RoundGraphs over fakes. The drafter proposes the target's continuation chain from the anchor,
     except row r's proposal at position wrong_at[r] (1-based; B = none wrong). `window`: a draft
     window (DFlash's compact rows; the fake rebuild records its arguments in `rebuilt`)."""
@@ -102,12 +102,16 @@ def build(sizes, wrong_at, window=None):
     history = SlotTokenHistory(pool_rows=6, max_context_len=64, block_size=B, window=16, max_bs=max(sizes),
                                device="cpu")
     graphs = RoundGraphs(worker, draft_runner=draft, target_runner=target, draft_sampler=sampler, sizes=sizes,
-                         history=history)
+                         history=history, sampled_accept=sampled_accept)
     for n in graphs.sizes:                         # the stages run eagerly in place of their graphs
         graphs._runner_keys[("draft", n)], graphs._runner_keys[("target", n)] = ("draft", n), ("target", n)
         graphs._graphs.update({(name, n): fn for name, fn in graphs.stages(n).items()})
     graphs.rebuilt = rebuilt
     return graphs, draft, target, appended, history, embed
+
+
+def run_round(graphs, batch):
+    return graphs.run(batch, graphs.kind_for(batch))
 
 
 def decode_batch(slots, seq_lens, anchors):
@@ -119,7 +123,7 @@ def decode_batch(slots, seq_lens, anchors):
 def test_a_padded_round_commits_what_greedy_verification_commits():
     graphs, draft, target, appended, history, embed = build([1, 2, 4], wrong_at={0: 2, 2: 1})
     slots, lens, anchors = [3, 1, 5], [10, 4, 7], [11, 12, 13]
-    result = graphs.run(decode_batch(slots, lens, anchors))
+    result = run_round(graphs, decode_batch(slots, lens, anchors))
 
     # The drafter saw anchor + masks at positions seq_len.., in the rows' KV slots; row 3 is padding.
     ids = draft.loaded["input_ids"].view(4, B)
@@ -158,20 +162,20 @@ def test_a_padded_round_commits_what_greedy_verification_commits():
 
 def test_a_result_survives_the_next_round():
     graphs, *_ = build([1, 2], wrong_at={})
-    first = graphs.run(decode_batch([2], [5], [7]))
+    first = run_round(graphs, decode_batch([2], [5], [7]))
     kept = first.next_token_ids.clone(), first.new_seq_lens.clone()
-    second = graphs.run(decode_batch([2, 4], [9, 3], [8, 9]))
+    second = run_round(graphs, decode_batch([2, 4], [9, 3], [8, 9]))
     assert first.next_token_ids.tolist() == kept[0].tolist() and first.new_seq_lens.tolist() == kept[1].tolist()
     assert second.new_seq_lens.tolist() == [9 + B, 3 + B]
 
 
 def test_batches_past_the_largest_size_or_not_greedy_are_refused():
     graphs, *_ = build([1, 2], wrong_at={})
-    assert graphs.can_run(decode_batch([1, 2], [3, 3], [1, 1]))
-    assert not graphs.can_run(decode_batch([1, 2, 3], [3, 3, 3], [1, 1, 1]))
+    assert graphs.kind_for(decode_batch([1, 2], [3, 3], [1, 1]))
+    assert not graphs.kind_for(decode_batch([1, 2, 3], [3, 3, 3], [1, 1, 1]))
     sampled = decode_batch([1], [3], [1])
     sampled.sampling_info = SimpleNamespace(is_all_greedy=False)
-    assert not graphs.can_run(sampled)
+    assert not graphs.kind_for(sampled)
 
 
 def test_the_reason_rounds_are_not_captured_is_named(monkeypatch):
@@ -186,7 +190,7 @@ def test_the_reason_rounds_are_not_captured_is_named(monkeypatch):
 
 def test_with_a_draft_window_the_drafter_sees_clamped_lengths_and_rebuilt_rows():
     graphs, draft, target, *_ = build([1, 2, 4], wrong_at={}, window=6)
-    graphs.run(decode_batch([3, 1, 5], [10, 4, 7], [11, 12, 13]))
+    run_round(graphs, decode_batch([3, 1, 5], [10, 4, 7], [11, 12, 13]))
     assert draft.loaded["seq_lens"].tolist() == [6, 4, 6, 1]                   # min(seq_len, window); padding 1
     assert target.loaded["seq_lens"].tolist() == [10, 4, 7, 1]                 # the target sees everything
     rebuild = graphs.rebuilt[-1]
@@ -217,3 +221,37 @@ def test_start_up_runs_every_sampling_kernel_sglang_would_build_on_first_use(mon
     warm_sampling_kernels(11, "cpu")
     assert calls == [("top_k", (2, 11)), ("top_p", (2, 11)), ("top_k_top_p", (2, 11))]
     assert "top_p_renorm_prob failed (RuntimeError: nvcc missing)" in caplog.text
+
+
+def test_a_sampled_round_reads_the_batch_sampling_rows_and_commits_dflash_sampled_accept():
+    seen = {}
+
+    def sampled_accept(*, candidates, next_token_logits, sampling_info, use_sparse_topk):
+        """Stands in for DFlash's sampled verify: records its inputs, accepts row r's first r proposals."""
+        seen.update(candidates=candidates.clone(), rows=next_token_logits.shape[0], sparse=use_sparse_topk,
+                    temperatures=sampling_info.temperatures.clone(), top_ks=sampling_info.top_ks.clone(),
+                    top_ps=sampling_info.top_ps.clone(), need=(sampling_info.need_top_k_sampling,
+                                                               sampling_info.need_top_p_sampling))
+        n = candidates.shape[0]
+        return torch.arange(n) % B, torch.full((n,), 42)
+
+    graphs, draft, target, appended, history, _ = build([1, 2, 4], wrong_at={}, sampled_accept=sampled_accept)
+    batch = decode_batch([3, 1, 5], [10, 4, 7], [11, 12, 13])
+    batch.sampling_info = SimpleNamespace(
+        is_all_greedy=False, temperatures=torch.tensor([[0.7], [1.0], [1.0]]), top_ks=torch.tensor([20, 1, 1 << 30]),
+        top_ps=torch.tensor([0.9, 1.0, 0.95]), logit_bias=None, acc_additive_penalties=None)
+    assert graphs.kind_for(batch) == "sampled"
+    result = run_round(graphs, batch)
+    assert seen["sparse"] is False and seen["need"] == (True, True) and seen["rows"] == 4 * B
+    assert seen["temperatures"].view(-1).tolist() == pytest.approx([0.7, 1.0, 1.0, 1.0])   # padding row: 1
+    assert seen["top_ks"].tolist() == [20, 1, 1 << 30, 1] and seen["top_ps"].tolist() == pytest.approx([0.9, 1, 0.95, 1])
+    assert torch.equal(seen["candidates"], target.loaded["input_ids"].view(4, B))
+    assert result.accept_lens.tolist() == [1, 2, 3]                                 # accepted + 1
+    tokens = result.next_token_ids.view(3, B)
+    for row in range(3):                                                           # proposals, then the bonus
+        assert tokens[row, :row].tolist() == seen["candidates"][row, 1: row + 1].tolist()
+        assert int(tokens[row, row]) == 42
+    assert result.new_seq_lens.tolist() == [11, 6, 10]
+    assert appended[-1]["commit_lens"].tolist()[:3] == [1, 2, 3]
+    greedy = decode_batch([2], [5], [7])
+    assert graphs.kind_for(greedy) == "greedy" and run_round(graphs, greedy).accept_lens.tolist() == [B]
