@@ -4,12 +4,17 @@ SGLang's captured forwards. Checked against greedy verification done by hand: th
 (anchor, masks, positions, KV slots, padding rows), the committed tokens and lengths, the drafter-KV
 append, the token history, and that a result survives the next round (the output ring)."""
 
+import importlib.metadata
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-pytest.importorskip("sglang")
+try:
+    importlib.metadata.version("sglang")
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip("SGLang is not installed here (CPU setup: bash scripts/install_sglang_cpu.sh)",
+                allow_module_level=True)
 
 from dspine.sglang.round_graph import RoundGraphs  # noqa: E402
 from dspine.sglang.token_history import SlotTokenHistory  # noqa: E402
