@@ -22,14 +22,18 @@ def _result(name: str, taus: dict, identical: int) -> dict:
 def test_merge_unites_runs_and_recomputes_the_ratio(tmp_path):
     a = tmp_path / "a.json"
     b = tmp_path / "b.json"
-    a.write_text(json.dumps(_result("dspine", {("gsm8k", 0.0): 3.0, ("mbpp", 0.0): 2.0}, 4)))
-    b.write_text(json.dumps(_result("ablation", {("gsm8k", 0.0): 2.0, ("mbpp", 0.0): 2.0}, 3)))
+    a.write_text(json.dumps(_result("dspine", {("gsm8k", 0.0): 3.0, ("mbpp", 0.0): 2.0,
+                                               ("agentic_coding", 0.0): 5.0}, 4)))
+    b.write_text(json.dumps(_result("ablation", {("gsm8k", 0.0): 2.0, ("mbpp", 0.0): 2.0,
+                                                 ("agentic_coding", 0.0): 1.5}, 3)))
     out = tmp_path / "merged.json"
     assert merge_results([a, b], out) == 0
     merged = json.loads(out.read_text())
     assert merged["drafters"] == {"dspine": "/ckpt/dspine", "ablation": "/ckpt/ablation"}
-    assert len(merged["runs"]) == 4
-    assert merged["summary"]["T=0"]["ratio_dspine_over_ablation"] == pytest.approx(2.5 / 2.0)
+    assert len(merged["runs"]) == 6
+    assert merged["summary"]["T=0"]["ratio_dspine_over_ablation"] == pytest.approx(2.5 / 2.0)   # dev sets only
+    assert merged["summary"]["long_context"]["T=0"] == {"dspine": {"agentic_coding": 5.0},
+                                                        "ablation": {"agentic_coding": 1.5}}
     assert merged["greedy_parity"] == {"dspine": {"prompts": 4, "identical": 4},
                                        "ablation": {"prompts": 4, "identical": 3}}
 
@@ -127,3 +131,34 @@ def test_out_defaults_to_a_new_file_in_the_working_directory(tmp_path, monkeypat
     written = sorted(p.name for p in tmp_path.glob("bench_accept_*.json"))
     assert len(written) == 1 and f"bench-accept: wrote {written[0]}" in capsys.readouterr().out
     assert not (tmp_path / "benchmarks").exists()
+
+
+def test_agentic_trace_files_are_workloads_rendered_with_their_tools(tmp_path):
+    """`--agentic FILE`: one workload per file, named by its stem, its split's requests (at most
+    --num-prompts) rendered by the chat template with their tools; a bad file is named."""
+    from types import SimpleNamespace
+
+    from dspine.bench.accept import workloads
+    from dspine.data.traces import load_traces
+    from dspine.engine.targets import chat_prompt_ids, load_tokenizer
+
+    tokenizer, _ = load_tokenizer()
+    tool = {"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                             "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}
+    path = tmp_path / "agentic_coding.jsonl"
+    with open(path, "w") as f:
+        for i in range(6):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"open file {i}"},
+                                             {"role": "assistant", "content": f"contents of file {i} " * 20},
+                                             {"role": "user", "content": "now edit it"}],
+                                "tools": [tool]}) + "\n")
+    args = SimpleNamespace(datasets=[], agentic=[str(path)], agentic_split="all", num_prompts=4)
+    (name, ids), = list(workloads(args, tokenizer))
+    requests = load_traces([path], "all")[:4]
+    assert name == "agentic_coding" and len(ids) == 4
+    assert ids == [chat_prompt_ids(tokenizer, list(r.messages), list(r.tools)) for r in requests]
+    assert "contents of file 0" in tokenizer.decode(ids[0])      # (SmolLM2's template renders no tools)
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(SystemExit, match="bad.jsonl:1"):
+        list(workloads(SimpleNamespace(datasets=[], agentic=[str(tmp_path / "bad.jsonl")], agentic_split="all",
+                                       num_prompts=4), tokenizer))

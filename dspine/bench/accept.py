@@ -2,7 +2,10 @@
 
 Runs the lossless reference engine (so the figures are real acceptance, not a teacher-forced
 estimate) on GSM8K, MATH-500, HumanEval, MBPP and held-out ShareGPT chat, at T=0 and T=1
-(top-p 0.95, top-k 20), for every `--drafter NAME=PATH`. Prints a table, writes the JSON schema of
+(top-p 0.95, top-k 20), for every `--drafter NAME=PATH`. `--agentic FILE` adds a long-context
+multi-turn workload per trace file (named by its stem; `python -m dspine.data.agentic` writes them:
+coding-agent sessions and long ShareGPT threads), its `--agentic-split` requests rendered with
+their tools by the target's chat template, the first `--num-prompts` of them. Prints a table, writes the JSON schema of
 `benchmarks/results/acceptance_*.json` and a plot to `--out`: by default a new
 `bench_accept_<UTC time>.json` in the working directory, never a tracked result file.
 """
@@ -21,6 +24,7 @@ import torch
 from dspine.model.checkpoint import load_checkpoint
 from dspine.data.eval_sets import EVAL_SETS, load_eval_set
 from dspine.data.prompt_sources import describe_prompt_sources
+from dspine.data.traces import TraceError, load_traces
 from dspine.engine.generate import generate
 from dspine.engine.targets import chat_prompt_ids, load_target, stop_token_ids
 
@@ -69,10 +73,7 @@ def run_bench_accept(args) -> int:
             drafters[name].config.transition_lambda = args.transition_lambda
     stops = stop_token_ids(tokenizer, target)
     runs, parity = [], {name: {"prompts": 0, "identical": 0} for name in drafters}
-    for dataset in args.datasets:
-        prompts = load_eval_set(dataset, limit=args.num_prompts, data_dir=args.data_dir,
-                                prompts_dir=args.prompts_dir)
-        ids = [chat_prompt_ids(tokenizer, p.messages) for p in prompts]
+    for dataset, ids in workloads(args, tokenizer):
         common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=stops, seed=args.seed,
                       batch_size=args.batch_size)
         plain = generate(target, None, ids, **common).tokens if args.check_parity else None
@@ -101,6 +102,21 @@ def run_bench_accept(args) -> int:
     plot(runs, out.with_suffix(".png"))
     print(f"\nbench-accept: wrote {out}")
     return 0
+
+
+def workloads(args, tokenizer):
+    """(name, prompt token ids) per evaluation set, then per `--agentic` trace file."""
+    for dataset in args.datasets:
+        prompts = load_eval_set(dataset, limit=args.num_prompts, data_dir=args.data_dir,
+                                prompts_dir=args.prompts_dir)
+        yield dataset, [chat_prompt_ids(tokenizer, p.messages) for p in prompts]
+    for path in args.agentic or []:
+        try:
+            requests = load_traces([path], args.agentic_split)[: args.num_prompts]
+        except TraceError as exc:
+            raise SystemExit(f"bench-accept --agentic: {exc}") from None
+        yield Path(path).stem, [chat_prompt_ids(tokenizer, list(r.messages), list(r.tools) or None)
+                                for r in requests]
 
 
 def merge_results(paths: list[Path], out: Path) -> int:
@@ -134,11 +150,16 @@ def merge_results(paths: list[Path], out: Path) -> int:
 
 
 def summarise(runs: list[dict]) -> dict:
-    """Mean τ per method and temperature, and the DSpine/ablation ratio when both ran."""
+    """Mean τ over the evaluation sets per method and temperature, and the DSpine/ablation ratio
+    when both ran; the `--agentic` workloads' τ apart, under "long_context" (T -> method -> workload)."""
     out: dict = {}
+    summary: dict = {}
     for r in runs:
-        out.setdefault(f"T={r['temperature']:g}", {}).setdefault(r["method"], []).append(r["tau"])
-    summary = {}
+        if r["dataset"] in EVAL_SETS:
+            out.setdefault(f"T={r['temperature']:g}", {}).setdefault(r["method"], []).append(r["tau"])
+        else:
+            summary.setdefault("long_context", {}).setdefault(f"T={r['temperature']:g}", {}).setdefault(
+                r["method"], {})[r["dataset"]] = r["tau"]
     for temp, methods in out.items():
         summary[temp] = {m: sum(v) / len(v) for m, v in methods.items()}
         if "dspine" in methods and "ablation" in methods:
@@ -167,7 +188,8 @@ def plot(runs: list[dict], path: Path) -> None:
     temps = sorted({r["temperature"] for r in runs})
     fig, axes = plt.subplots(1, len(temps) + 1, figsize=(6 * (len(temps) + 1), 4))
     for ax, temp in zip(axes, temps):
-        datasets = [d for d in EVAL_SETS if any(r["dataset"] == d for r in runs)]
+        datasets = [d for d in EVAL_SETS if any(r["dataset"] == d for r in runs)] + sorted(
+            {r["dataset"] for r in runs} - set(EVAL_SETS))                                   # then --agentic ones
         width = 0.8 / len(methods)
         for i, m in enumerate(methods):
             vals = [next((r["tau"] for r in runs if r["method"] == m and r["dataset"] == d

@@ -231,6 +231,11 @@ def add_bench_accept_arguments(p) -> None:
     p.add_argument("--target", default=None)
     add_prompt_folder_arguments(p)
     p.add_argument("--datasets", nargs="+", default=list(EVAL_SETS), choices=list(EVAL_SETS))
+    p.add_argument("--agentic", nargs="+", default=None, metavar="FILE",
+                   help="long-context multi-turn workloads too: agentic trace files (`python -m dspine.data.agentic "
+                        "DIR` writes them), one workload per file, named by its stem")
+    p.add_argument("--agentic-split", choices=("tune", "heldout", "all"), default="heldout",
+                   help="the trace files' split to measure (default %(default)s)")
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0], choices=[0.0, 1.0])
     p.add_argument("--num-prompts", type=cli_args.positive_int, default=64, help="prompts per dataset")
     p.add_argument("--max-new-tokens", type=cli_args.positive_int, default=256)
