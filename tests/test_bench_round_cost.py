@@ -123,3 +123,16 @@ def test_a_phase_the_server_never_wrote_is_named(servers, tmp_path, prompts_dir,
 def test_unknown_config_names_are_refused(tmp_path):
     with pytest.raises(SystemExit):
         bench.main(["--url", "EAGLE=http://127.0.0.1:1", "--shape", "x"])
+
+
+def test_synthetic_prompts_have_about_the_asked_length_and_differ():
+    from dspine.engine.targets import load_tokenizer
+
+    tokenizer, _ = load_tokenizer()
+    for tokens in (100, 2000):
+        prompts = bench.synthetic_prompts(tokens, 3)
+        lengths = [len(tokenizer.encode(p["messages"][0]["content"])) for p in prompts]
+        assert all(0.7 * tokens < n < 1.3 * tokens for n in lengths), lengths
+        assert len({p["messages"][0]["content"] for p in prompts}) == 3
+    with pytest.raises(SystemExit):
+        bench.main(["--url", "AR=http://127.0.0.1:1", "--shape", "x", "--workload", "synthetic:lots"])

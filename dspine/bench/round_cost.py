@@ -9,8 +9,8 @@ started with `DSPINE_STEP_PROFILE=DIR` (`--profile-dir NAME=DIR`, same machine) 
    step (AR) or round (speculative), prefills excluded; `host_ms_per_step` = host time inside the
    scheduler's methods per step (`ms_per_step_in`, summed) less its wait for the device
    (`ms_per_step_waiting`, also reported: a step with a long wait is device-bound).
-2. Throughput: `--prompts` greedy chat requests (`--workload`: an evaluation set or the five-set
-   mix) at c in flight, non-streamed with meta_info: `output_tok_per_s` (completion tokens / wall
+2. Throughput: `--prompts` greedy chat requests (`--workload`: an evaluation set, the five-set mix,
+   or `synthetic:N`, prompts of about N tokens of plain prose for context-length sweeps) at c in flight, non-streamed with meta_info: `output_tok_per_s` (completion tokens / wall
    time) and `accept_len` (completion tokens / verify steps; 1.0 for AR).
 
 Every profile phase of a config runs before its throughput levels: the profiler counts every decode
@@ -58,6 +58,20 @@ def profile_record(profile_dir: Path, phase: int) -> dict:
         raise BenchError(f"{profile_dir}: {len(files)} phase records, phase {phase} wanted (was the server "
                          "started with DSPINE_STEP_PROFILE set to this folder, and enough phases?)")
     return json.loads(files[phase - 1].read_text())
+
+
+SYNTHETIC_PROSE = ("The river turned east past the old mill, where the road from the valley met the "
+                   "track to the quarry, and the carts waited in the shade until the bell rang. ")
+
+
+def synthetic_prompts(tokens: int, count: int) -> list[dict]:
+    """`count` chat prompts of about `tokens` tokens each (prose repeated, numbered so no two are
+    the same; the server reports the exact count as `prompt_tokens`)."""
+    words_per_repeat = len(SYNTHETIC_PROSE.split())
+    repeats = max(1, round(tokens / (1.3 * words_per_repeat)))        # ~1.3 tokens per English word
+    return [{"id": f"synthetic-{tokens}-{i}", "source": "synthetic", "messages": [
+        {"role": "user", "content": f"Passage {i}: " + SYNTHETIC_PROSE * repeats + "Summarise the passage."}]}
+        for i in range(count)]
 
 
 def host_ms(record: dict) -> float:
@@ -141,7 +155,9 @@ def parse_args(argv):
     p.add_argument("--profile-dir", action="append", default=[], metavar="NAME=DIR",
                    help="that server's DSPINE_STEP_PROFILE folder (without it: no ms_per_step / host time)")
     p.add_argument("--shape", required=True, help="label of the target's shape, e.g. smollm2-135m or qwen3-8b")
-    p.add_argument("--workload", default="mix", help="an evaluation set (%s) or mix (default)" % ", ".join(EVAL_SETS))
+    p.add_argument("--workload", default="mix",
+                   help="an evaluation set (%s), mix (default: the five), or synthetic:N (prompts of ~N tokens)"
+                        % ", ".join(EVAL_SETS))
     p.add_argument("--prompts-dir", type=Path, default=None, help="exported evaluation prompts (eval-<set>.jsonl)")
     p.add_argument("--prompts", type=int, default=32, help="requests per throughput level (at least c)")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
@@ -157,16 +173,21 @@ def parse_args(argv):
     unknown = (set(args.urls) | set(args.profiles)) - set(CONFIGS)
     if unknown:
         p.error(f"unknown config(s) {sorted(unknown)}; choose from {', '.join(CONFIGS)} (as NAME=...)")
-    if args.workload != "mix" and args.workload not in EVAL_SETS:
-        p.error(f"--workload {args.workload}: one of {', '.join(EVAL_SETS)} or mix")
+    synthetic = args.workload.startswith("synthetic:") and args.workload.split(":", 1)[1].isdigit()
+    if args.workload != "mix" and args.workload not in EVAL_SETS and not synthetic:
+        p.error(f"--workload {args.workload}: one of {', '.join(EVAL_SETS)}, mix or synthetic:N (N tokens)")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     n = max(args.prompts, max(args.concurrency))
-    prompts = (load_prompt_mix(n, args.prompts_dir) if args.workload == "mix"
-               else load_set_prompts(args.workload, n, args.prompts_dir))
+    if args.workload.startswith("synthetic:"):
+        prompts = synthetic_prompts(int(args.workload.split(":", 1)[1]), n)
+    elif args.workload == "mix":
+        prompts = load_prompt_mix(n, args.prompts_dir)
+    else:
+        prompts = load_set_prompts(args.workload, n, args.prompts_dir)
     bodies = [chat_body(p, args.served_model, args.max_tokens) for p in prompts]
     runs, info = [], {}
     try:
