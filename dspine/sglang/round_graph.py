@@ -175,11 +175,12 @@ class _Buffers:
 
 
 class RoundGraphs:
-    """The captured greedy rounds of one worker (see the module docstring).
+    """The captured rounds of one worker (see the module docstring).
 
-    `stages` are the five per-size callables in launch order; on the GPU `capture()` turns the three
-    of ours into CUDA graphs and the two runner stages replay SGLang's own graphs. `run(batch,
-    on_publish)` returns the step's `GenerationBatchResult`."""
+    `stages(n)` are our per-size stages (G1, G2, G3 and, with a sampled verify, G3s); `capture()`
+    records them as CUDA graphs, and a round replays them around SGLang's two captured forwards.
+    `kind_for(batch)` says whether (and how) a batch can run captured; `run(batch, kind, on_publish)`
+    returns the step's `GenerationBatchResult`."""
 
     def __init__(self, worker, *, draft_runner, target_runner, draft_sampler, sizes: list[int],
                  history=None, sampled_accept: Optional[Callable] = None) -> None:
