@@ -1,6 +1,7 @@
 """dspine/bench/round_cost.py against stub servers and pre-written step-profile records: the results
 schema, ms per step and host time read from the right phase, accept length from meta_info, the
-table's T_round / T_step, runs of other shapes kept on a rerun, and a missing phase named."""
+table's T_round / T_step, runs of other shapes kept on a rerun, a missing phase named, repeats
+interleaved across configs, and greedy parity judged on token ids."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dspine.bench import round_cost as bench
 from dspine.data.eval_sets import EVAL_SETS
 
 VERIFY = {"AR": None, "DSPINE": 4, "NGRAM": 6}     # verify steps per 12-token answer
+DIVERGES_ON: dict[str, str] = {}                   # server name -> prompt text it answers differently
 
 
 class Stub(JsonHandler):
@@ -22,20 +24,27 @@ class Stub(JsonHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         n = body["max_tokens"]
-        self.server.kinds.append("throughput" if body.get("return_meta_info") else "profile" if n > 1 else "count")
+        kind = "throughput" if body.get("return_meta_info") else "profile" if n > 1 else "count"
+        self.server.kinds.append(kind)
+        self.server.sent.setdefault(kind, []).append(body["messages"][0]["content"])
         verify = VERIFY[self.server.name]
         meta = {"completion_tokens": n, **({"spec_verify_ct": verify} if verify and n > 1 else {})}
+        self.server.order.append(self.server.name)
+        ids = list(range(n))
+        if self.server.name in DIVERGES_ON and DIVERGES_ON[self.server.name] in body["messages"][0]["content"]:
+            ids[5] = 999                                      # this server answers one prompt differently
+        extra = {"token_ids": ids} if body.get("return_token_ids") else {}
         self.send_json({"choices": [{"index": 0, "message": {"role": "assistant", "content": "t " * n},
-                                     "meta_info": meta, "finish_reason": "length"}],
+                                     "meta_info": meta, "finish_reason": "length", **extra}],
                         "usage": {"prompt_tokens": 40, "completion_tokens": n}})
 
 
 @pytest.fixture
 def servers():
-    live = {}
+    live, order = {}, []
     for name in VERIFY:
         server = start_server(Stub)
-        server.name, server.kinds = name, []
+        server.name, server.kinds, server.order, server.sent = name, [], order, {}
         live[name] = server
     yield live
     for server in live.values():
@@ -58,7 +67,7 @@ def prompts_dir(tmp_path):
     folder.mkdir()
     for name in EVAL_SETS:
         lines = [json.dumps({"id": f"{name}-{i}", "source": name, "messages": [{"role": "user", "content": f"q-{name}-{i}"}]})
-                 for i in range(8)]
+                 for i in range(64)]
         (folder / f"eval-{name}.jsonl").write_text("\n".join(lines) + "\n")
     return folder
 
@@ -114,10 +123,10 @@ def test_a_phase_the_server_never_wrote_is_named(servers, tmp_path, prompts_dir,
     write_phases(tmp_path / "prof" / "AR", 1.2, {"run_batch": 0.8})
     (tmp_path / "prof" / "DSPINE").mkdir(parents=True)
     write_phases(tmp_path / "prof" / "NGRAM", 3.0, {"run_batch": 2.5})
-    assert run(servers, tmp_path, prompts_dir, "--profile-timeout", "1") == 0    # AR measured, then it stops
-    assert "phase 1 (c=1) did not finish" in capsys.readouterr().err
+    assert run(servers, tmp_path, prompts_dir, "--profile-timeout", "1") == 0    # DSPINE is left out
+    assert "DSPINE left out" in (err := capsys.readouterr().err) and "phase 1 (c=1) did not finish" in err
     results = json.loads((tmp_path / "out" / "round_cost_h200.json").read_text())
-    assert {r["config"] for r in results["runs"]} == {"AR"}
+    assert {r["config"] for r in results["runs"]} == {"AR", "NGRAM"}
 
 
 def test_unknown_config_names_are_refused(tmp_path):
@@ -136,3 +145,59 @@ def test_synthetic_prompts_have_about_the_asked_length_and_differ():
         assert len({p["messages"][0]["content"] for p in prompts}) == 3
     with pytest.raises(SystemExit):
         bench.main(["--url", "AR=http://127.0.0.1:1", "--shape", "x", "--workload", "synthetic:lots"])
+
+
+def test_repeats_interleave_the_configs_and_keep_each_rate(servers, tmp_path, prompts_dir):
+    for name in VERIFY:
+        write_phases(tmp_path / "prof" / name, 2.0, {"run_batch": 1.0})
+    order = servers["AR"].order
+    assert run(servers, tmp_path, prompts_dir, "--repeats", "3") == 0
+    results = json.loads((tmp_path / "out" / "round_cost_h200.json").read_text())
+    for row in results["runs"]:
+        rates = row["output_tok_per_s_repeats"]
+        assert len(rates) == 3 and row["output_tok_per_s"] == pytest.approx(sum(rates) / 3, rel=1e-3)
+    assert {(r["config"], r["accept_len"]) for r in results["runs"]} == {("AR", 1.0), ("DSPINE", 3.0), ("NGRAM", 2.0)}
+    # throughput requests (after every profile request): the configs take turns, one block per repeat
+    blocks = [order[0]]
+    for name in order[order.index("NGRAM") + 1:]:      # skip AR/DSPINE/NGRAM's profile and count requests
+        if name != blocks[-1]:
+            blocks.append(name)
+    assert blocks[-9:] == ["AR", "DSPINE", "NGRAM"] * 3
+
+
+@pytest.mark.parametrize("diverging", [False, True])
+def test_parity_counts_prompts_whose_token_ids_match(servers, tmp_path, prompts_dir, diverging, monkeypatch):
+    for name in VERIFY:
+        write_phases(tmp_path / "prof" / name, 2.0, {"run_batch": 1.0})
+    monkeypatch.setitem(DIVERGES_ON, "DSPINE", "q-gsm8k-1") if diverging else None
+    assert run(servers, tmp_path, prompts_dir, "--parity", "10") == 0
+    section = json.loads((tmp_path / "out" / "round_cost_h200.json").read_text())["deterministic_parity"]
+    assert section["prompts"] == 10
+    assert section["identical"] == (9 if diverging else 10)
+    assert ("gsm8k-1@5" in section["note"]) == diverging
+    assert "enable_deterministic_inference" in section["note"]
+
+
+def test_parity_needs_ar_and_dspine():
+    with pytest.raises(SystemExit):
+        bench.main(["--url", "NGRAM=http://127.0.0.1:1", "--shape", "x", "--parity", "4"])
+
+
+def test_no_server_sees_a_throughput_prompt_twice(servers, tmp_path, prompts_dir):
+    """Each (repeat, level) has its own prompts, apart from the profile pool and from the skipped
+    ones; every config gets the same ones (NGRAM remembers earlier outputs: module docstring)."""
+    for name in VERIFY:
+        write_phases(tmp_path / "prof" / name, 2.0, {"run_batch": 1.0})
+    assert run(servers, tmp_path, prompts_dir, "--repeats", "2", "--skip-prompts", "3") == 0
+    sent = {name: server.sent for name, server in servers.items()}
+    for name, kinds in sent.items():
+        levels = kinds["throughput"]
+        assert len(levels) == 2 * 2 * 16 and len(set(levels)) == len(levels)
+        assert not set(levels) & set(kinds["profile"])
+        assert not any(text.endswith(("-0", "-1", "-2")) for text in levels + kinds["profile"])
+        assert sorted(levels) == sorted(sent["AR"]["throughput"])
+
+
+def test_too_few_prompts_in_one_set_is_named(servers, tmp_path, prompts_dir, capsys):
+    assert run(servers, tmp_path, prompts_dir, "--workload", "gsm8k", "--repeats", "3") == 1
+    assert "lower --prompts or --repeats" in capsys.readouterr().err

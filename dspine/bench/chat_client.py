@@ -28,29 +28,30 @@ from dspine.utils.http import HttpClient
 CHAT = "/v1/chat/completions"
 
 
-def load_set_prompts(name: str, n: int, prompts_dir: Path | None = None) -> list[dict]:
-    """The first `n` prompts of evaluation set `name` (file order) as dicts `{"id", "source",
-    "messages"}`; with `prompts_dir`, read from its export `eval-<name>.jsonl`
+def load_set_prompts(name: str, n: int, prompts_dir: Path | None = None, skip: int = 0) -> list[dict]:
+    """Prompts `skip` .. `skip + n - 1` of evaluation set `name` (file order) as dicts `{"id",
+    "source", "messages"}`; with `prompts_dir`, read from its export `eval-<name>.jsonl`
     (`dspine.data.prompt_sources.export_prompts`; for machines without the data packages)."""
     if prompts_dir is None:
-        prompts = load_eval_set(name, n)
+        prompts = load_eval_set(name, skip + n)
     else:
         path = Path(prompts_dir) / f"eval-{name}.jsonl"
         if not path.is_file():
             raise BenchError(f"--prompts-dir {prompts_dir} has no {path.name}: export the prompts there "
                              "(dspine.data.prompt_sources.export_prompts)")
-        prompts = load_prompts(path)[:n]
-    return [{"id": p.id, "source": p.source, "messages": p.messages} for p in prompts]
+        prompts = load_prompts(path)[: skip + n]
+    return [{"id": p.id, "source": p.source, "messages": p.messages} for p in prompts[skip:]]
 
 
-def load_prompt_mix(n: int, prompts_dir: Path | None = None) -> list[dict]:
-    """`n` prompts, round-robin over the five evaluation sets (each set's first prompts, file order,
-    `load_set_prompts`): dicts `{"id", "source", "messages"}`."""
+def load_prompt_mix(n: int, prompts_dir: Path | None = None, skip: int = 0) -> list[dict]:
+    """`n` prompts, round-robin over the five evaluation sets (each set's prompts from index `skip`
+    on, file order, `load_set_prompts`): dicts `{"id", "source", "messages"}`."""
     per_set = math.ceil(n / len(EVAL_SETS))
-    sets = [load_set_prompts(name, per_set, prompts_dir) for name in EVAL_SETS]
+    sets = [load_set_prompts(name, per_set, prompts_dir, skip) for name in EVAL_SETS]
     mixed = [s[i] for i in range(per_set) for s in sets if i < len(s)]
     if len(mixed) < n:
-        raise BenchError(f"only {len(mixed)} evaluation prompts available, {n} asked for")
+        raise BenchError(f"only {len(mixed)} evaluation prompts available (after skipping {skip} a set), "
+                         f"{n} asked for")
     return mixed[:n]
 
 

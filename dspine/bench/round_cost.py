@@ -1,6 +1,6 @@
 """Round-cost benchmark: AR's decode step against a speculative round, side by side, with host time.
 
-For each config (AR, DSPINE, DSPINE-eager, DFLASH, NGRAM) a server already runs (`--url NAME=URL`),
+For each config (AR, DSPINE, DSPINE-copy, DSPINE-eager, DFLASH, NGRAM) a server already runs (`--url NAME=URL`),
 started with `DSPINE_STEP_PROFILE=DIR` (`--profile-dir NAME=DIR`, same machine) and
 `DSPINE_STEP_PROFILE_PHASES` = the number of concurrency levels. Per config and concurrency c:
 
@@ -11,12 +11,24 @@ started with `DSPINE_STEP_PROFILE=DIR` (`--profile-dir NAME=DIR`, same machine) 
    (`ms_per_step_waiting`, also reported: a step with a long wait is device-bound).
 2. Throughput: `--prompts` greedy chat requests (`--workload`: an evaluation set, the five-set mix,
    or `synthetic:N`, prompts of about N tokens of plain prose for context-length sweeps) at c in flight, non-streamed with meta_info: `output_tok_per_s` (completion tokens / wall
-   time) and `accept_len` (completion tokens / verify steps; 1.0 for AR).
+   time) and `accept_len` (completion tokens / verify steps; 1.0 for AR). With `--repeats R` the
+   levels run R times, the configs interleaved within each repeat (AR, DSPINE, ... , AR, DSPINE,
+   ...) so drift on the host is shared; `output_tok_per_s` is the mean and
+   `output_tok_per_s_repeats` keeps each repeat.
+
+Every (repeat, level) sends its own `--prompts` prompts, the same ones to every config, and the
+step profile drives a further pool of 64: no server sees a prompt twice, which matters for NGRAM
+(it remembers earlier outputs). `--skip-prompts K` leaves out each set's first K prompts, for
+servers an earlier benchmark already sent them to.
+3. Parity (`--parity N`, AR and DSPINE both given): N greedy mix prompts, one at a time, on both
+   servers; `deterministic_parity` = `{"prompts", "identical", "note"}`, identical meaning equal
+   token ids. The note records both servers' `enable_deterministic_inference` and attention
+   backends as `/server_info` reports them, and the first divergences.
 
 Every profile phase of a config runs before its throughput levels: the profiler counts every decode
 step, so a throughput level run between two phases would be measured as the next phase.
 
-DSPINE-eager is a DSPINE server with `DSPINE_ROUND_GRAPH=0` (SGLang's DFlash round, step by step),
+DSPINE-copy is a DSPINE server whose drafter has `copy_candidates: true`. DSPINE-eager is a DSPINE server with `DSPINE_ROUND_GRAPH=0` (SGLang's DFlash round, step by step),
 the control for the captured round. The table puts each config's ms per step over AR's at the same
 concurrency (T_round / T_step).
 
@@ -36,7 +48,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from dspine.bench.chat_client import chat_body, load_prompt_mix, load_set_prompts, run_level
+from dspine.bench.chat_client import chat_body, load_prompt_mix, load_set_prompts, parity_pass, run_level
 from dspine.bench.copy_candidates import detect_device
 from dspine.bench.launchers import parse_urls
 from dspine.bench.results import BenchError, check_schema, command_line, write_results
@@ -44,7 +56,7 @@ from dspine.data.eval_sets import EVAL_SETS
 from dspine.sglang.step_profile import drive
 from dspine.utils.http import HttpClient, HttpError
 
-CONFIGS = ("AR", "DSPINE", "DSPINE-eager", "DFLASH", "NGRAM")
+CONFIGS = ("AR", "DSPINE", "DSPINE-copy", "DSPINE-eager", "DFLASH", "NGRAM")
 RESULTS_NAME = "round_cost_h200"
 RUN_SCHEMA = {"config": str, "shape": str, "workload": str, "concurrency": int, "prompt_tokens": int,
               "ms_per_step": float, "host_ms_per_step": float, "output_tok_per_s": float, "accept_len": float}
@@ -90,9 +102,12 @@ def prompt_tokens(base: str, bodies: list[dict], timeout: float) -> int:
     return round(statistics.fmean(counts))
 
 
-def measure_config(name: str, base: str, profile_dir: Path | None, args, bodies: list[dict]) -> list[dict]:
-    """Every concurrency level of one config: the step-profile phases first (when given a folder),
-    then the throughput levels (see the module docstring)."""
+PROFILE_POOL = 64      # prompts the step-profile phases cycle through, apart from the throughput levels
+
+
+def profile_config(name: str, base: str, profile_dir: Path | None, args, bodies: list[dict]) -> list[dict]:
+    """One config's rows, one per concurrency level, with its step-profile phases measured (when
+    given a folder; see the module docstring)."""
     tokens = prompt_tokens(base, bodies[: min(8, len(bodies))], args.request_timeout)
     runs = [{"config": name, "shape": args.shape, "workload": args.workload, "concurrency": c,
              "prompt_tokens": tokens} for c in args.concurrency]
@@ -107,14 +122,61 @@ def measure_config(name: str, base: str, profile_dir: Path | None, args, bodies:
             row.update(ms_per_step=float(record["ms_per_step"]), host_ms_per_step=host_ms(record),
                        wait_ms_per_step=float(record.get("ms_per_step_waiting", 0.0)),
                        mean_batch_size=float(record["mean_batch_size"]))
-    for row in runs:
-        c = row["concurrency"]
-        stats, _ = run_level(base, bodies[: max(args.prompts, c)], c, args.request_timeout, streamed=False)
-        row.update(output_tok_per_s=float(stats["output_tok_per_s"]), accept_len=float(stats["accept_len"]))
-        print(f"{name:<13} c={c:<3} " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                                                for k, v in row.items() if k not in ("config", "concurrency")),
-              flush=True)
     return runs
+
+
+def level_prompts(args) -> int:
+    """Prompts one (repeat, level) sends: `--prompts`, at least one wave of the largest level."""
+    return max(args.prompts, max(args.concurrency))
+
+
+def throughput(rows: dict[str, list[dict]], args, bodies: list[dict]) -> None:
+    """Fill each row's `output_tok_per_s` (mean over `args.repeats`, each kept in
+    `output_tok_per_s_repeats`) and `accept_len` (over every repeat's replies), configs interleaved
+    within each repeat; (repeat r, level i) sends slice r * levels + i of `bodies`."""
+    samples: dict[tuple[str, int], list[dict]] = {}
+    size = level_prompts(args)
+    for repeat in range(args.repeats):
+        for name, runs in rows.items():
+            for i, row in enumerate(runs):
+                c = row["concurrency"]
+                start = (repeat * len(runs) + i) * size
+                stats, _ = run_level(args.urls[name].rstrip("/"), bodies[start: start + size], c,
+                                     args.request_timeout, streamed=False)
+                samples.setdefault((name, c), []).append(stats)
+                print(f"{name:<13} c={c:<3} repeat {repeat + 1}/{args.repeats}: "
+                      f"{stats['output_tok_per_s']:.1f} tok/s, accept {stats['accept_len']:.3f}", flush=True)
+    for name, runs in rows.items():
+        for row in runs:
+            level = samples[(name, row["concurrency"])]
+            rates = [s["output_tok_per_s"] for s in level]
+            tokens = sum(s["completion_tokens"] for s in level)
+            steps = sum(s["steps"] for s in level)
+            row.update(output_tok_per_s=float(statistics.fmean(rates)),
+                       output_tok_per_s_repeats=[round(r, 2) for r in rates],
+                       accept_len=float(tokens / steps) if steps else 1.0)
+
+
+def parity(args, prompts: list[dict]) -> dict:
+    """`deterministic_parity` of the DSPINE server against AR on `args.parity` mix prompts (see the
+    module docstring)."""
+    bodies = [chat_body(p, args.served_model, args.max_tokens) for p in prompts[: args.parity]]
+    urls = {**args.urls, **args.parity_urls}
+    ar = parity_pass(urls["AR"].rstrip("/"), bodies, args.request_timeout, logprobs=False)
+    spec = parity_pass(urls["DSPINE"].rstrip("/"), bodies, args.request_timeout, logprobs=False)
+    diverged = []
+    for prompt, a, b in zip(prompts, ar, spec):
+        if a.token_ids != b.token_ids:
+            at = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+                      min(len(a.token_ids), len(b.token_ids)))
+            diverged.append(f"{prompt['id']}@{at}")
+    modes = []
+    for name in ("AR", "DSPINE"):
+        info = HttpClient(urls[name].rstrip("/"), timeout=30, retries=1).get("/server_info")
+        modes.append(f"{name}: enable_deterministic_inference={info.get('enable_deterministic_inference')}, "
+                     f"attention_backend={info.get('attention_backend')}")
+    note = "; ".join(modes) + (f"; first divergences (prompt@token): {', '.join(diverged[:8])}" if diverged else "")
+    return {"prompts": len(bodies), "identical": len(bodies) - len(diverged), "note": note}
 
 
 def table(results: dict) -> str:
@@ -167,13 +229,26 @@ def parse_args(argv):
     p.add_argument("--profile-timeout", type=float, default=120.0, help="seconds per step-profile phase")
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--results-name", default=RESULTS_NAME)
+    p.add_argument("--repeats", type=int, default=1, help="throughput repeats, configs interleaved (default 1)")
+    p.add_argument("--parity", type=int, default=0, metavar="N",
+                   help="also compare AR's and DSPINE's greedy token ids on N mix prompts (deterministic_parity)")
+    p.add_argument("--parity-url", action="append", default=[], metavar="NAME=URL",
+                   help="AR=... / DSPINE=...: the servers --parity compares, when not the measured ones "
+                        "(e.g. both started with --enable-deterministic-inference)")
+    p.add_argument("--skip-prompts", type=int, default=0, metavar="K",
+                   help="leave out each set's first K prompts (an earlier run sent them to these servers)")
     args = p.parse_args(argv)
     args.urls = parse_urls(args.url)
+    args.parity_urls = parse_urls(args.parity_url) if args.parity_url else {}
     args.profiles = {k: Path(v) for k, v in (item.split("=", 1) for item in args.profile_dir)}
     unknown = (set(args.urls) | set(args.profiles)) - set(CONFIGS)
     if unknown:
         p.error(f"unknown config(s) {sorted(unknown)}; choose from {', '.join(CONFIGS)} (as NAME=...)")
     synthetic = args.workload.startswith("synthetic:") and args.workload.split(":", 1)[1].isdigit()
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if args.parity and not {"AR", "DSPINE"} <= set(args.urls) | set(args.parity_urls):
+        p.error("--parity compares AR with DSPINE: give --url AR=... and --url DSPINE=...")
     if args.workload != "mix" and args.workload not in EVAL_SETS and not synthetic:
         p.error(f"--workload {args.workload}: one of {', '.join(EVAL_SETS)}, mix or synthetic:N (N tokens)")
     return args
@@ -181,29 +256,45 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    n = max(args.prompts, max(args.concurrency))
+    n = level_prompts(args) * args.repeats * len(args.concurrency) + PROFILE_POOL
     if args.workload.startswith("synthetic:"):
-        prompts = synthetic_prompts(int(args.workload.split(":", 1)[1]), n)
+        prompts = synthetic_prompts(int(args.workload.split(":", 1)[1]), n + args.skip_prompts)[args.skip_prompts:]
     elif args.workload == "mix":
-        prompts = load_prompt_mix(n, args.prompts_dir)
+        prompts = load_prompt_mix(n, args.prompts_dir, args.skip_prompts)
     else:
-        prompts = load_set_prompts(args.workload, n, args.prompts_dir)
+        prompts = load_set_prompts(args.workload, n, args.prompts_dir, args.skip_prompts)
+        if len(prompts) < n:
+            print(f"round cost: {args.workload} has {len(prompts)} prompts after skipping {args.skip_prompts}, "
+                  f"{n} wanted (levels x repeats x --prompts + {PROFILE_POOL}); lower --prompts or --repeats",
+                  file=sys.stderr)
+            return 1
     bodies = [chat_body(p, args.served_model, args.max_tokens) for p in prompts]
-    runs, info = [], {}
+    profile_bodies, level_bodies = bodies[-PROFILE_POOL:], bodies[:-PROFILE_POOL]
+    rows: dict[str, list[dict]] = {}
+    info, sections = {}, {}
     try:
-        for name in [c for c in CONFIGS if c in args.urls]:
+        for name in [c for c in CONFIGS if c in args.urls]:     # a config that fails here is left out
             base = args.urls[name].rstrip("/")
-            info = info or HttpClient(base, timeout=30, retries=1).get("/server_info")
-            runs += measure_config(name, base, args.profiles.get(name), args, bodies)
+            try:
+                info = info or HttpClient(base, timeout=30, retries=1).get("/server_info")
+                rows[name] = profile_config(name, base, args.profiles.get(name), args, profile_bodies)
+            except (BenchError, HttpError) as exc:
+                print(f"round cost: {name} left out: {exc}", file=sys.stderr)
+        if not rows:
+            return 1
+        throughput(rows, args, level_bodies)
+        if args.parity:
+            sections["deterministic_parity"] = parity(args, load_prompt_mix(args.parity, args.prompts_dir))
+            print(f"parity: {sections['deterministic_parity']}")
     except (BenchError, HttpError) as exc:
         print(f"round cost: {exc}", file=sys.stderr)
-        if not runs:
-            return 1
+        return 1
+    runs = [row for runs in rows.values() for row in runs]
     path = args.out_dir / f"{args.results_name}.json"
     old = json.loads(path.read_text()) if path.is_file() else None
     header = {"device": detect_device(info), "date": datetime.date.today().isoformat(),
               "command": command_line(argv), "sglang": str(info.get("version", "unknown"))}
-    results = merge(old, runs, header)
+    results = {**merge(old, runs, header), **sections}
     check_schema({**results, "runs": [r for r in results["runs"] if "ms_per_step" in r]}, RESULTS_SCHEMA)
     write_results(results, args.out_dir, args.results_name)
     print(table(results))
