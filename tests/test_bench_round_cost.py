@@ -201,3 +201,27 @@ def test_no_server_sees_a_throughput_prompt_twice(servers, tmp_path, prompts_dir
 def test_too_few_prompts_in_one_set_is_named(servers, tmp_path, prompts_dir, capsys):
     assert run(servers, tmp_path, prompts_dir, "--workload", "gsm8k", "--repeats", "3") == 1
     assert "lower --prompts or --repeats" in capsys.readouterr().err
+
+
+def test_report_only_reprints_and_redraws_from_the_file(servers, tmp_path, prompts_dir, capsys):
+    pytest.importorskip("matplotlib")
+    for name in VERIFY:
+        write_phases(tmp_path / "prof" / name, 2.0, {"run_batch": 1.0})
+    assert run(servers, tmp_path, prompts_dir) == 0
+    out = tmp_path / "out"
+    results = json.loads((out / "round_cost_h200.json").read_text())
+    results["round_stages_device_ms"] = {"DSPINE": {"1": {"g1": 0.1, "draft": 0.5, "g2": 0.02, "verify": 1.5, "g3": 0.1}}}
+    (out / "round_cost_h200.json").write_text(json.dumps(results))
+    (out / "round_cost_h200.png").unlink()
+    capsys.readouterr()
+    assert bench.main(["--report-only", "--out-dir", str(out)]) == 0
+    assert (out / "round_cost_h200.png").stat().st_size > 10_000
+    assert "DSPINE" in capsys.readouterr().out
+    assert bench.main(["--report-only", "--out-dir", str(tmp_path / "nowhere")]) == 1
+
+
+def test_measuring_needs_urls_and_a_shape():
+    with pytest.raises(SystemExit):
+        bench.main(["--shape", "x"])
+    with pytest.raises(SystemExit):
+        bench.main(["--url", "AR=http://127.0.0.1:1"])

@@ -32,7 +32,7 @@ DSPINE-copy is a DSPINE server whose drafter has `copy_candidates: true`. DSPINE
 the control for the captured round. The table puts each config's ms per step over AR's at the same
 concurrency (T_round / T_step).
 
-Writes OUT_DIR/<results-name>.json: `{"device", "date", "command", "sglang", "runs": [{"config",
+Writes OUT_DIR/<results-name>.json and .png (`plot`; `--report-only` redraws both from the JSON): `{"device", "date", "command", "sglang", "runs": [{"config",
 "shape", "workload", "concurrency", "prompt_tokens", "ms_per_step", "host_ms_per_step",
 "output_tok_per_s", "accept_len", "wait_ms_per_step", "mean_batch_size"}]}`; runs of other shapes or configs already in
 the file are kept (one file gathers SmolLM2 and 8B-shaped servers), as are its `soak` and
@@ -53,6 +53,7 @@ from dspine.bench.copy_candidates import detect_device
 from dspine.bench.launchers import parse_urls
 from dspine.bench.results import BenchError, check_schema, command_line, write_results
 from dspine.data.eval_sets import EVAL_SETS
+from dspine.sglang.round_graph import STAGES
 from dspine.sglang.step_profile import drive
 from dspine.utils.http import HttpClient, HttpError
 
@@ -180,18 +181,90 @@ def parity(args, prompts: list[dict]) -> dict:
 
 
 def table(results: dict) -> str:
-    """ms per step (and / AR's at the same shape and concurrency), host ms, tok/s, accept length."""
-    ar = {(r["shape"], r["concurrency"]): r["ms_per_step"] for r in results["runs"]
+    """ms per step (and / AR's at the same shape, workload and concurrency), host ms, tok/s, accept
+    length."""
+    ar = {(r["shape"], r["workload"], r["concurrency"]): r["ms_per_step"] for r in results["runs"]
           if r["config"] == "AR" and "ms_per_step" in r}
-    lines = [f"{'config':<13}{'shape':<15}{'c':>4}{'ms/step':>10}{'/ AR':>8}{'host ms':>10}{'tok/s':>10}{'accept':>8}"]
-    for r in sorted(results["runs"], key=lambda r: (r["shape"], r["concurrency"], CONFIGS.index(r["config"]))):
+    lines = [f"{'config':<13}{'shape':<15}{'workload':<18}{'c':>4}{'ms/step':>10}{'/ AR':>8}{'host ms':>10}"
+             f"{'tok/s':>10}{'accept':>8}"]
+    for r in sorted(results["runs"], key=lambda r: (r["shape"], r["workload"], r["concurrency"],
+                                                    CONFIGS.index(r["config"]))):
         ms = r.get("ms_per_step")
-        ref = ar.get((r["shape"], r["concurrency"]))
-        lines.append(f"{r['config']:<13}{r['shape']:<15}{r['concurrency']:>4}"
+        ref = ar.get((r["shape"], r["workload"], r["concurrency"]))
+        lines.append(f"{r['config']:<13}{r['shape']:<15}{r['workload']:<18}{r['concurrency']:>4}"
                      f"{'-' if ms is None else f'{ms:.3f}':>10}{f'{ms / ref:.2f}x' if ms and ref else '-':>8}"
                      f"{'-' if r.get('host_ms_per_step') is None else format(r['host_ms_per_step'], '.3f'):>10}"
                      f"{r['output_tok_per_s']:>10.1f}{r['accept_len']:>8.2f}")
     return "\n".join(lines)
+
+def plot(results: dict, out_dir: Path, stem: str) -> Path | None:
+    """`stem`.png, one column per (shape, workload) with step profiles: T_round / T_step per config
+    and concurrency (top), tok/s / AR with each repeat's spread (middle); and, when the results
+    carry `round_stages_device_ms`, the captured round's device ms per stage (bottom). None (with a
+    note) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot; run `--report-only` where it is installed", flush=True)
+        return None
+    runs = [r for r in results["runs"] if "ms_per_step" in r]
+    groups = list(dict.fromkeys((r["shape"], r["workload"]) for r in runs))
+    stages = results.get("round_stages_device_ms") or {}
+    if not groups:
+        print("no step-profiled runs: no plot", flush=True)
+        return None
+    rows = 3 if stages else 2
+    fig, axes = plt.subplots(rows, len(groups), figsize=(5.5 * len(groups), 3.6 * rows), squeeze=False)
+    for col, (shape, workload) in enumerate(groups):
+        cell = {(r["config"], r["concurrency"]): r for r in runs if (r["shape"], r["workload"]) == (shape, workload)}
+        levels = sorted({c for _, c in cell})
+        configs = [c for c in CONFIGS if any(k[0] == c for k in cell)]
+        width = 0.8 / max(1, len(configs))
+        for i, name in enumerate(configs):
+            xs, step, speed, low, high = [], [], [], [], []
+            for j, c in enumerate(levels):
+                row, ar = cell.get((name, c)), cell.get(("AR", c))
+                if row is None or ar is None:
+                    continue
+                rates = row.get("output_tok_per_s_repeats") or [row["output_tok_per_s"]]
+                xs.append(j + (i - (len(configs) - 1) / 2) * width)
+                step.append(row["ms_per_step"] / ar["ms_per_step"])
+                speed.append(row["output_tok_per_s"] / ar["output_tok_per_s"])
+                low.append(max(0.0, speed[-1] - min(rates) / ar["output_tok_per_s"]))
+                high.append(max(0.0, max(rates) / ar["output_tok_per_s"] - speed[-1]))
+            axes[0][col].bar(xs, step, width, label=name)
+            axes[1][col].bar(xs, speed, width, yerr=[low, high], capsize=2, label=name)
+        for row, title in ((0, "ms per round / AR's ms per step"), (1, "output tok/s / AR (repeats: min-max)")):
+            ax = axes[row][col]
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+            ax.set_xticks(range(len(levels)), [f"c={c}" for c in levels])
+            ax.set_title(f"{shape}, {workload}: {title}", fontsize=9)
+        axes[0][col].legend(fontsize=7)
+    if stages:
+        names = list(STAGES)
+        labels = [f"{cfg} bs {bs}" for cfg, sizes in stages.items() for bs in sizes]
+        values = [sizes[bs] for sizes in stages.values() for bs in sizes]
+        for col in range(len(groups)):
+            ax = axes[2][col]
+            if col:
+                ax.axis("off")
+                continue
+            bottom = [0.0] * len(values)
+            for name in names:
+                part = [v.get(name, 0.0) for v in values]
+                ax.barh(labels, part, left=bottom, label=name)
+                bottom = [b + x for b, x in zip(bottom, part)]
+            ax.set_xlabel("device ms per captured round (DSPINE_ROUND_TIMING)")
+            ax.legend(fontsize=7, ncol=len(names), loc="upper center", bbox_to_anchor=(0.5, -0.22))
+    fig.suptitle(f"Round cost on {results.get('device', '?')} (SGLang {results.get('sglang', '?')})")
+    fig.tight_layout()
+    path = out_dir / f"{stem}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def merge(old: dict | None, new_runs: list[dict], header: dict) -> dict:
@@ -212,11 +285,11 @@ def parse_args(argv):
         epilog="Example: DSPINE_STEP_PROFILE=/tmp/prof/AR sglang serve ... (and one per config), then "
                "python scripts/bench_round_cost.py --url AR=http://127.0.0.1:30020 --profile-dir AR=/tmp/prof/AR "
                "--url DSPINE=http://127.0.0.1:30021 --profile-dir DSPINE=/tmp/prof/DSPINE --shape smollm2-135m")
-    p.add_argument("--url", action="append", default=[], metavar="NAME=URL", required=True,
+    p.add_argument("--url", action="append", default=[], metavar="NAME=URL",
                    help="a running server per config; NAME one of " + ", ".join(CONFIGS))
     p.add_argument("--profile-dir", action="append", default=[], metavar="NAME=DIR",
                    help="that server's DSPINE_STEP_PROFILE folder (without it: no ms_per_step / host time)")
-    p.add_argument("--shape", required=True, help="label of the target's shape, e.g. smollm2-135m or qwen3-8b")
+    p.add_argument("--shape", help="label of the target's shape, e.g. smollm2-135m or qwen3-8b (required to measure)")
     p.add_argument("--workload", default="mix",
                    help="an evaluation set (%s), mix (default: the five), or synthetic:N (prompts of ~N tokens)"
                         % ", ".join(EVAL_SETS))
@@ -237,7 +310,11 @@ def parse_args(argv):
                         "(e.g. both started with --enable-deterministic-inference)")
     p.add_argument("--skip-prompts", type=int, default=0, metavar="K",
                    help="leave out each set's first K prompts (an earlier run sent them to these servers)")
+    p.add_argument("--report-only", action="store_true",
+                   help="print the table and redraw the plot from OUT_DIR/<results-name>.json; measure nothing")
     args = p.parse_args(argv)
+    if not args.report_only and (not args.url or not args.shape):
+        p.error("--url NAME=URL (at least one) and --shape are required to measure (or give --report-only)")
     args.urls = parse_urls(args.url)
     args.parity_urls = parse_urls(args.parity_url) if args.parity_url else {}
     args.profiles = {k: Path(v) for k, v in (item.split("=", 1) for item in args.profile_dir)}
@@ -256,6 +333,15 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    path = args.out_dir / f"{args.results_name}.json"
+    if args.report_only:
+        if not path.is_file():
+            print(f"round cost: --report-only: no {path}", file=sys.stderr)
+            return 1
+        results = json.loads(path.read_text())
+        print(table(results))
+        plot(results, args.out_dir, args.results_name)
+        return 0
     n = level_prompts(args) * args.repeats * len(args.concurrency) + PROFILE_POOL
     if args.workload.startswith("synthetic:"):
         prompts = synthetic_prompts(int(args.workload.split(":", 1)[1]), n + args.skip_prompts)[args.skip_prompts:]
@@ -290,7 +376,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round cost: {exc}", file=sys.stderr)
         return 1
     runs = [row for runs in rows.values() for row in runs]
-    path = args.out_dir / f"{args.results_name}.json"
     old = json.loads(path.read_text()) if path.is_file() else None
     header = {"device": detect_device(info), "date": datetime.date.today().isoformat(),
               "command": command_line(argv), "sglang": str(info.get("version", "unknown"))}
@@ -298,5 +383,6 @@ def main(argv: list[str] | None = None) -> int:
     check_schema({**results, "runs": [r for r in results["runs"] if "ms_per_step" in r]}, RESULTS_SCHEMA)
     write_results(results, args.out_dir, args.results_name)
     print(table(results))
+    plot(results, args.out_dir, args.results_name)
     print(f"wrote {path}")
     return 0
