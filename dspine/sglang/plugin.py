@@ -16,7 +16,9 @@ detokenizer). It registers:
 - with `DSPINE_STEP_PROFILE=DIR` in the environment only: the decode-step profiler's wrappers on
   SGLang's `Scheduler` (`dspine.sglang.step_profile`, a diagnostic; AR servers load it too);
 - with `SGLANG_RECORD_STEP_TIME=1` only: the DSPINE worker's decode-step clock in `/server_info`
-  (`dspine.sglang.step_clock`).
+  (`dspine.sglang.step_clock`);
+- with `DSPINE_VERIFY_SPLITKV=1` only: a `HookRegistry` hook that puts the target's verify attention
+  on SGLang's split-KV verify kernel (`dspine.sglang.verify_splitkv`).
 
 An SGLang outside the tested range (`TESTED_SGLANG`, release numbers: post-releases count as their
 release) gets one warning naming both, then registration proceeds.
@@ -35,7 +37,7 @@ import re
 import sys
 from typing import Callable
 
-from dspine.sglang import step_clock, step_profile
+from dspine.sglang import step_clock, step_profile, verify_splitkv
 from dspine.serve.flags import ALGORITHM
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ def register() -> None:
         _hide_misleading_window_warning()
         step_profile.install_from_environment()
         step_clock.install_from_environment()
+        verify_splitkv.install_from_environment()
     except Exception as e:
         logger.error(
             "DSpine could not register with SGLang: %s: %s. SGLang ignores plugin errors, so the server "
