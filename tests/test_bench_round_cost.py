@@ -130,8 +130,15 @@ def test_a_phase_the_server_never_wrote_is_named(servers, tmp_path, prompts_dir,
 
 
 def test_unknown_config_names_are_refused(tmp_path):
-    with pytest.raises(SystemExit):
-        bench.main(["--url", "EAGLE=http://127.0.0.1:1", "--shape", "x"])
+    for name in ("EAGLE", "DSPINE-", "dspine"):
+        with pytest.raises(SystemExit):
+            bench.main(["--url", f"{name}=http://127.0.0.1:1", "--shape", "x"])
+
+
+def test_dspine_variants_sort_after_the_named_configs():
+    names = ["NGRAM", "DSPINE-splitkv", "AR", "DSPINE-eager", "DSPINE", "DSPINE-abc", "DFLASH"]
+    assert sorted(names, key=bench.config_order) == ["AR", "DSPINE", "DSPINE-eager", "DSPINE-abc", "DSPINE-splitkv",
+                                                     "DFLASH", "NGRAM"]
 
 
 def test_synthetic_prompts_have_about_the_asked_length_and_differ():

@@ -28,7 +28,9 @@ servers an earlier benchmark already sent them to.
 Every profile phase of a config runs before its throughput levels: the profiler counts every decode
 step, so a throughput level run between two phases would be measured as the next phase.
 
-DSPINE-copy is a DSPINE server whose drafter has `copy_candidates: true`. DSPINE-eager is a DSPINE server with `DSPINE_ROUND_GRAPH=0` (SGLang's DFlash round, step by step),
+DSPINE-copy is a DSPINE server whose drafter has `copy_candidates: true`; any other `DSPINE-<label>`
+names a DSPINE server started with a setting of the caller's (e.g. `DSPINE-splitkv` with
+`DSPINE_VERIFY_SPLITKV=1`). DSPINE-eager is a DSPINE server with `DSPINE_ROUND_GRAPH=0` (SGLang's DFlash round, step by step),
 the control for the captured round. The table puts each config's ms per step over AR's at the same
 concurrency (T_round / T_step).
 
@@ -58,6 +60,18 @@ from dspine.sglang.step_profile import drive
 from dspine.utils.http import HttpClient, HttpError
 
 CONFIGS = ("AR", "DSPINE", "DSPINE-copy", "DSPINE-eager", "DFLASH", "NGRAM")
+
+
+def config_order(name: str) -> tuple[int, str]:
+    """Sort key: the named configs in `CONFIGS` order; other DSPINE variants (`DSPINE-<label>`, a
+    DSPINE server started with some other setting) right after DSPINE-eager, by name."""
+    if name in CONFIGS:
+        return CONFIGS.index(name), ""
+    return CONFIGS.index("DSPINE-eager"), name
+
+
+def known_config(name: str) -> bool:
+    return name in CONFIGS or (name.startswith("DSPINE-") and len(name) > len("DSPINE-"))
 RESULTS_NAME = "round_cost_h200"
 RUN_SCHEMA = {"config": str, "shape": str, "workload": str, "concurrency": int, "prompt_tokens": int,
               "ms_per_step": float, "host_ms_per_step": float, "output_tok_per_s": float, "accept_len": float}
@@ -188,7 +202,7 @@ def table(results: dict) -> str:
     lines = [f"{'config':<13}{'shape':<15}{'workload':<18}{'c':>4}{'ms/step':>10}{'/ AR':>8}{'host ms':>10}"
              f"{'tok/s':>10}{'accept':>8}"]
     for r in sorted(results["runs"], key=lambda r: (r["shape"], r["workload"], r["concurrency"],
-                                                    CONFIGS.index(r["config"]))):
+                                                    config_order(r["config"]))):
         ms = r.get("ms_per_step")
         ref = ar.get((r["shape"], r["workload"], r["concurrency"]))
         lines.append(f"{r['config']:<13}{r['shape']:<15}{r['workload']:<18}{r['concurrency']:>4}"
@@ -221,7 +235,7 @@ def plot(results: dict, out_dir: Path, stem: str) -> Path | None:
     for col, (shape, workload) in enumerate(groups):
         cell = {(r["config"], r["concurrency"]): r for r in runs if (r["shape"], r["workload"]) == (shape, workload)}
         levels = sorted({c for _, c in cell})
-        configs = [c for c in CONFIGS if any(k[0] == c for k in cell)]
+        configs = sorted({k[0] for k in cell}, key=config_order)
         width = 0.8 / max(1, len(configs))
         for i, name in enumerate(configs):
             xs, step, speed, low, high = [], [], [], [], []
@@ -286,7 +300,8 @@ def parse_args(argv):
                "python scripts/bench_round_cost.py --url AR=http://127.0.0.1:30020 --profile-dir AR=/tmp/prof/AR "
                "--url DSPINE=http://127.0.0.1:30021 --profile-dir DSPINE=/tmp/prof/DSPINE --shape smollm2-135m")
     p.add_argument("--url", action="append", default=[], metavar="NAME=URL",
-                   help="a running server per config; NAME one of " + ", ".join(CONFIGS))
+                   help="a running server per config; NAME one of " + ", ".join(CONFIGS)
+                        + ", or DSPINE-<label> for another DSPINE server setting")
     p.add_argument("--profile-dir", action="append", default=[], metavar="NAME=DIR",
                    help="that server's DSPINE_STEP_PROFILE folder (without it: no ms_per_step / host time)")
     p.add_argument("--shape", help="label of the target's shape, e.g. smollm2-135m or qwen3-8b (required to measure)")
@@ -318,9 +333,10 @@ def parse_args(argv):
     args.urls = parse_urls(args.url)
     args.parity_urls = parse_urls(args.parity_url) if args.parity_url else {}
     args.profiles = {k: Path(v) for k, v in (item.split("=", 1) for item in args.profile_dir)}
-    unknown = (set(args.urls) | set(args.profiles)) - set(CONFIGS)
+    unknown = {name for name in set(args.urls) | set(args.profiles) if not known_config(name)}
     if unknown:
-        p.error(f"unknown config(s) {sorted(unknown)}; choose from {', '.join(CONFIGS)} (as NAME=...)")
+        p.error(f"unknown config(s) {sorted(unknown)}; choose from {', '.join(CONFIGS)} or DSPINE-<label> "
+                "(as NAME=...)")
     synthetic = args.workload.startswith("synthetic:") and args.workload.split(":", 1)[1].isdigit()
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
@@ -359,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, list[dict]] = {}
     info, sections = {}, {}
     try:
-        for name in [c for c in CONFIGS if c in args.urls]:     # a config that fails here is left out
+        for name in sorted(args.urls, key=config_order):     # a config that fails here is left out
             base = args.urls[name].rstrip("/")
             try:
                 info = info or HttpClient(base, timeout=30, retries=1).get("/server_info")
