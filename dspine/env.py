@@ -67,6 +67,20 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def _flag_map(raw: str) -> dict[str, list[str]]:
+    import json
+
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg})") from None
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and k.startswith("--") and isinstance(v, list) and all(isinstance(x, str) for x in v)
+            for k, v in value.items()):
+        raise ValueError('not a JSON object {"--flag": ["value", ...]}')
+    return value
+
+
 def _ints(count: int) -> Callable[[str], tuple[int, ...]]:
     def parse(raw: str) -> tuple[int, ...]:
         values = tuple(int(x) for x in raw.split(","))
@@ -119,6 +133,8 @@ DSPINE_PRESETS_DIR = _path_var("DSPINE_PRESETS_DIR", "Extra `dspine serve` prese
 
 # --- inside an SGLang server (read by the plugin and the DSPINE worker) ---------------------------
 DSPINE_DYNAMIC = _path_var("DSPINE_DYNAMIC", "Switch file: per decode step, draft or decode plainly (or forced).")
+DSPINE_SERVE_FLAGS = _declare("DSPINE_SERVE_FLAGS", None, "Set by `dspine serve`: the flags the worker checks are "
+                               "in effect at start-up.", 'a JSON object {"--flag": ["value", ...]}', _flag_map)
 DSPINE_RECORD_CONFIDENCE = _bool_var("DSPINE_RECORD_CONFIDENCE", "Record drafter confidence in /server_info.")
 DSPINE_ROUND_GRAPH = _declare("DSPINE_ROUND_GRAPH", "1", "Captured rounds: 1 greedy, all greedy and sampled, 0 off.",
                               "0, 1 or all", _choice("0", "1", "all"))

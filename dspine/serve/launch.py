@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import shlex
 import sys
@@ -48,8 +49,14 @@ class ServeCommand:
     def argv(self) -> list[str]:
         return self.launcher + self.args
 
+    @property
+    def flags_env(self) -> dict[str, str]:
+        """`DSPINE_SERVE_FLAGS`: the merged flags, for the worker's start-up check that SGLang applied
+        each (`dspine.sglang.flag_check`). Set on exec, left out of `render`."""
+        return {env_vars.DSPINE_SERVE_FLAGS.name: json.dumps(self.flags, separators=(",", ":"))}
+
     def render(self) -> str:
-        """The exact command, one flag per line, ready to paste into a shell."""
+        """The command, one flag per line, ready to paste into a shell (exec also sets `flags_env`)."""
         lines = [" ".join([f"{k}={shlex.quote(v)}" for k, v in self.env.items()] + [shlex.join(self.launcher)])]
         start = 0
         for i in range(1, len(self.args) + 1):
@@ -167,7 +174,7 @@ def run_serve(args: argparse.Namespace, extra_sglang_args: list[str]) -> int:
         return 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(command.argv[0], command.argv, {**os.environ, **command.env})
+    os.execve(command.argv[0], command.argv, {**os.environ, **command.env, **command.flags_env})
     return 0  # not reached
 
 

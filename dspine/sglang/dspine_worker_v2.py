@@ -71,6 +71,7 @@ from dspine.model.checkpoint import check_target_compatible
 from dspine.dynamic.switch import ServingSwitch, SwitchConfig
 from dspine.sglang import compat, step_clock
 from dspine.sglang.draft_model import DSpineDraftModel
+from dspine.sglang.flag_check import check_served_flags
 from dspine.sglang.plain_step import PlainStep, tag_verify_tokens
 from dspine.sglang.round_graph import RoundGraphs, build_round_graphs, has_penalties
 from dspine.sglang.token_history import SlotTokenHistory
@@ -193,6 +194,7 @@ class DSpineWorkerV2(DFlashWorkerV2):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        check_served_flags(self.server_args)      # `dspine serve`'s flags, each in effect or a clear stop
         switch = resolve_step_switch()
         self._step_policy = "static" if switch is None else switch.policy
         self._plain_tokens = None if switch is None else switch.plain_tokens

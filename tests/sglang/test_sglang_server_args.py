@@ -28,7 +28,7 @@ from sglang.srt.plugins import load_plugins  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
 from dspine.serve import launch as serving_launch, presets as serving_presets  # noqa: E402
-from dspine.sglang import compat  # noqa: E402
+from dspine.sglang import compat, flag_check  # noqa: E402
 from dspine.serve.flags import FlagError  # noqa: E402
 
 CPU = ["--device", "cpu", "--skip-tokenizer-init"]
@@ -132,6 +132,9 @@ def test_preset_flags_resolve(dirs, monkeypatch, preset, target, cpu_only, max_r
     if preset == "qwen3.8-27b":
         assert view.enable_linear_replayssm_spec and view.linear_replayssm_cache_len == 32
         assert view.speculative_draft_window_size == 8192
+    # the worker's start-up check: SGLang applied every flag `dspine serve` passed
+    effects = flag_check.check_served_flags(server_args, environ=command.flags_env)
+    assert len(effects) == len(command.flags) and all(e.applied for e in effects)
 
 
 def test_defaults_come_from_the_checkpoint(dirs):
@@ -213,3 +216,18 @@ def test_an_explicit_draft_window_wins_over_the_checkpoint(dirs):
     _, explicit = resolve(base(dirs) + ["--speculative-draft-window-size", "4096"])
     _, unset = resolve(base(dirs))
     assert explicit.speculative_draft_window_size == 4096 and unset.speculative_draft_window_size == 8192
+
+
+def test_a_flag_the_resolved_server_does_not_hold_stops_the_worker(dirs):
+    """The check reads the really resolved server args: told that `dspine serve` passed a
+    --max-running-requests the server does not run with, it stops and names the flag and both
+    values."""
+    command = serving_launch.build_serve_command(
+        serving_presets.load_preset("smollm2-135m"),
+        ["--model-path", dirs["dense"], "--speculative-draft-model-path", dirs["draft"], *CPU],
+        launcher=["sglang", "serve"], environ={})
+    server_args, view = resolve(command.args)
+    flags = {**command.flags, "--max-running-requests": [str(view.max_running_requests + 16)]}
+    env = {"DSPINE_SERVE_FLAGS": json.dumps(flags)}
+    with pytest.raises(flag_check.FlagsNotApplied, match=r"--max-running-requests \d+: max_running_requests = "):
+        flag_check.check_served_flags(server_args, environ=env)
