@@ -27,6 +27,7 @@ from dspine.data.prompt_sources import describe_prompt_sources
 from dspine.data.traces import TraceError, load_traces
 from dspine.engine.generate import generate
 from dspine.engine.targets import chat_prompt_ids, load_target, stop_token_ids
+from dspine.utils.plot import pyplot, save_figure
 
 TEMPERATURES = {0.0: dict(temperature=0.0), 1.0: dict(temperature=1.0, top_p=0.95, top_k=20)}
 
@@ -177,12 +178,8 @@ def print_table(runs: list[dict]) -> None:
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     methods = sorted({r["method"] for r in runs})
     temps = sorted({r["temperature"] for r in runs})
@@ -210,5 +207,4 @@ def plot(runs: list[dict], path: Path) -> None:
     ax.set_ylabel("acceptance rate (given verified)")
     ax.set_title("acceptance by position (mean over datasets)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)

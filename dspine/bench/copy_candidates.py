@@ -67,6 +67,7 @@ from dspine.data.eval_sets import EVAL_SETS
 from dspine.data.traces import TraceError, TraceRequest, load_traces
 from dspine.utils.atomic import write_json_atomic
 from dspine.utils.http import HttpClient, HttpError
+from dspine.utils.plot import pyplot, save_figure
 
 CONFIGS = ("AR", "NGRAM", "DSPINE", "DSPINE-copy", "DFLASH")
 DEFAULT_CONFIGS = ("DSPINE-copy", "DSPINE", "NGRAM", "AR")  # the must-reach numbers first
@@ -266,13 +267,8 @@ def plot(results: dict, out_dir: Path, stem: str) -> Path | None:
     """`stem`.png: accept length (top) and tok/s / AR (bottom; plain tok/s when AR was not measured)
     per workload and config, one column per concurrency; None (with a note) without matplotlib or
     without runs."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot; run `--report-only` where it is installed", flush=True)
+    plt = pyplot("run `--report-only` where it is installed")
+    if plt is None:
         return None
     runs = {(r["config"], r["workload"], r["concurrency"]): r for r in results["runs"]}
     if not runs:
@@ -305,11 +301,7 @@ def plot(results: dict, out_dir: Path, stem: str) -> Path | None:
             ax.set_title(f"concurrency {c}")
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"copy candidates on {results['device']} (SGLang {results['sglang']})")
-    fig.tight_layout()
-    path = out_dir / f"{stem}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir / f"{stem}.png", dpi=110)
 
 
 def estimate_s(configs: list[str], levels: list[Level], max_tokens: int, tok_per_s: float, managed: bool) -> float:

@@ -46,6 +46,7 @@ from dspine.bench.launchers import ConfigLaunchers, add_server_arguments, check_
 from dspine.bench.results import BenchError, check_schema, command_line, write_results
 from dspine.dynamic.switch import write_forced_switch
 from dspine.utils.http import HttpClient, HttpError
+from dspine.utils.plot import pyplot, save_figure
 
 CONFIGS = ("AR", "DSPINE-static", "DSPINE-dynamic", "DSPINE-plain")
 RESULTS_NAME = "dynamic_h200"
@@ -180,11 +181,8 @@ def plot(results: dict, out_dir: Path) -> Path | None:
     drawn as a grey band; `previous_runs` (earlier code, other hosts) are drawn thin and dashed; an
     optional `label` names the main run in the legend, and plain-step lines carry their K (the switch
     file's `plain_tokens`, 1 when absent)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot("redraw it with --plot-only where it is installed")
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
     colours = dict(zip(CONFIGS[1:], ("tab:blue", "tab:orange", "tab:green")))
@@ -212,11 +210,7 @@ def plot(results: dict, out_dir: Path) -> Path | None:
     ax.set(xscale="log", xlabel="concurrency", ylabel="output tok/s ÷ AR",
            title=f"{Path(str(results.get('target', ''))).name or 'target'}: speculation vs AR ({results['device']})")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path = Path(out_dir) / f"{RESULTS_NAME}.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, Path(out_dir) / f"{RESULTS_NAME}.png", dpi=120)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -54,6 +54,7 @@ from dspine.model.checkpoint import default_drafter_dir, load_checkpoint
 from dspine.serve.sps_fit import fit_additive, fit_diagonal
 from dspine.serve.sps_measure import render_prompt
 from dspine.utils.atomic import write_json_atomic
+from dspine.utils.plot import pyplot, save_figure
 
 DEV_TRACES = ["benchmarks/traces/sharegpt_dev.jsonl", "benchmarks/traces/tooltalk_dev.jsonl",
               "benchmarks/traces/bfcl_multiturn_dev.jsonl"]
@@ -140,10 +141,9 @@ def run_level(target, drafter, prompts, stops, c: int, max_new: int, verifier: D
 
 
 def plot(path: Path, result: dict) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     runs = result["runs"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ar = {r["concurrency"]: r["output_tok_per_s"] for r in runs if r["algorithm"] == "AR"}
@@ -168,8 +168,7 @@ def plot(path: Path, result: dict) -> None:
             title="Measured round time (tune split)")
     ax2.legend(fontsize=8)
     fig.suptitle(f"{result['target']} on {result['device']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

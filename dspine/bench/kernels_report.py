@@ -7,6 +7,7 @@ import json
 
 from dspine.bench.kernels_harness import GB, PLOT_FILE, Run
 from dspine.bench.kernels_injection import injection_bytes
+from dspine.utils.plot import pyplot, save_figure
 
 
 def _find(rows: list, **keys) -> dict | None:
@@ -91,12 +92,8 @@ def print_table(run: Run) -> None:
 
 def plot(run: Run) -> None:
     results = run.results
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         run.details["notes"].append("matplotlib missing: no plot")
         return
     try:
@@ -132,8 +129,6 @@ def plot(run: Run) -> None:
         ax.set_title(f"draft round (5 layers + lm_head + selection), context {run.cfg.context}")
         ax.legend(fontsize=8)
         fig.suptitle(f"DSpine kernels on {results['device']} (copy {results['copy_bandwidth_gbs']} GB/s)")
-        fig.tight_layout()
-        fig.savefig(run.cfg.out_dir / PLOT_FILE, dpi=120)
-        plt.close(fig)
+        save_figure(fig, run.cfg.out_dir / PLOT_FILE, dpi=120)
     except Exception as exc:  # noqa: BLE001
         run.record_error("plot", exc)

@@ -58,6 +58,7 @@ from dspine.data.eval_sets import EVAL_SETS
 from dspine.sglang.round_graph import STAGES
 from dspine.sglang.step_profile import drive
 from dspine.utils.http import HttpClient, HttpError
+from dspine.utils.plot import pyplot, save_figure
 
 CONFIGS = ("AR", "DSPINE", "DSPINE-copy", "DSPINE-eager", "DFLASH", "NGRAM")
 
@@ -216,13 +217,8 @@ def plot(results: dict, out_dir: Path, stem: str) -> Path | None:
     and concurrency (top), tok/s / AR with each repeat's spread (middle); and, when the results
     carry `round_stages_device_ms`, the captured round's device ms per stage (bottom). None (with a
     note) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot; run `--report-only` where it is installed", flush=True)
+    plt = pyplot("run `--report-only` where it is installed")
+    if plt is None:
         return None
     runs = [r for r in results["runs"] if "ms_per_step" in r]
     groups = list(dict.fromkeys((r["shape"], r["workload"]) for r in runs))
@@ -274,11 +270,7 @@ def plot(results: dict, out_dir: Path, stem: str) -> Path | None:
             ax.set_xlabel("device ms per captured round (DSPINE_ROUND_TIMING)")
             ax.legend(fontsize=7, ncol=len(names), loc="upper center", bbox_to_anchor=(0.5, -0.22))
     fig.suptitle(f"Round cost on {results.get('device', '?')} (SGLang {results.get('sglang', '?')})")
-    fig.tight_layout()
-    path = out_dir / f"{stem}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir / f"{stem}.png", dpi=110)
 
 
 def merge(old: dict | None, new_runs: list[dict], header: dict) -> dict:

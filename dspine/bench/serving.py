@@ -46,6 +46,7 @@ from dspine.bench.launchers import ServeShLauncher, add_server_arguments, check_
 from dspine.bench.parity import PARITY_KEYS, ceiling, parity_summary, prefill_check, reclassify
 from dspine.bench.results import BenchError, check_schema, command_line, write_results
 from dspine.utils.http import HttpClient, HttpError
+from dspine.utils.plot import pyplot, save_figure
 
 ALGORITHMS = ("AR", "DSPINE", "DSPINE-ablation")
 RESULTS_NAME = "serving_h200"
@@ -98,13 +99,8 @@ def speedups(results: dict) -> dict[str, dict[int, float]]:
 
 def plot(results: dict, out_dir: Path, stem: str = RESULTS_NAME) -> Path | None:
     """`stem`.png: speedup over AR vs concurrency; None (with a note) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot; run `--plot-only` where it is installed", flush=True)
+    plt = pyplot("run `--plot-only` where it is installed")
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, curve in speedups(results).items():
@@ -116,11 +112,7 @@ def plot(results: dict, out_dir: Path, stem: str = RESULTS_NAME) -> Path | None:
     ax.set_ylabel("output tok/s over AR")
     ax.set_title(f"{Path(results['target']).name} on {results['device']} (SGLang {results['sglang']})")
     ax.legend()
-    fig.tight_layout()
-    path = out_dir / f"{stem}.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir / f"{stem}.png", dpi=120)
 
 
 def level_prompts(args: argparse.Namespace, concurrency: int) -> int:

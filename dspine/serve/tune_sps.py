@@ -88,6 +88,7 @@ from dspine.serve.sps_measure import (
 )
 from dspine.utils.atomic import write_json_atomic, write_jsonl_atomic, write_text_atomic
 from dspine.utils.http import HttpClient, HttpError
+from dspine.utils.plot import save_figure
 
 DEFAULT_VERIFY_TOKENS = 16
 ROUNDS, TABLE, ADDITIVE, ACCEPTANCE, STS, STS_AFFINE, CHECK, MANIFEST = (
@@ -120,9 +121,7 @@ def plot_outputs(out: Path, rounds: list[dict], table, calibration) -> list[str]
     ax.set(xscale="log", xlabel="batch tokens (verify tokens per step per rank)", ylabel="steps / s",
            title="Step rate vs batch tokens")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "sps.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / "sps.png", dpi=120)
     written.append("sps.png")
     if calibration is not None:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
@@ -133,9 +132,7 @@ def plot_outputs(out: Path, rounds: list[dict], table, calibration) -> list[str]
         a2.plot(pos, calibration.ece_after, "o-", label="after")
         a2.set(xlabel="proposal position", ylabel="survival ECE", title="Calibration error")
         a2.legend()
-        fig.tight_layout()
-        fig.savefig(out / "calibration.png", dpi=120)
-        plt.close(fig)
+        save_figure(fig, out / "calibration.png", dpi=120)
         written.append("calibration.png")
     return written
 
