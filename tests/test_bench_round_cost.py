@@ -23,6 +23,12 @@ class Stub(JsonHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/flush_cache":
+            return self.send_json({})
+        if self.path == "/generate":       # the AR server's one-pass prefill: it picks the diverging token
+            self.server.prefills.append(body["input_ids"])
+            return self.send_json({"output_ids": [999], "meta_info": {"output_top_logprobs": [
+                [[-0.6, 999, None], [-0.725, 5, None]]]}})
         n = body["max_tokens"]
         kind = "throughput" if body.get("return_meta_info") else "profile" if n > 1 else "count"
         self.server.kinds.append(kind)
@@ -33,7 +39,11 @@ class Stub(JsonHandler):
         ids = list(range(n))
         if self.server.name in DIVERGES_ON and DIVERGES_ON[self.server.name] in body["messages"][0]["content"]:
             ids[5] = 999                                      # this server answers one prompt differently
-        extra = {"token_ids": ids} if body.get("return_token_ids") else {}
+        extra = {"token_ids": ids, "prompt_token_ids": [ord(ch) for ch in body["messages"][0]["content"]]} \
+            if body.get("return_token_ids") else {}
+        if body.get("logprobs"):           # every position a near-tie: top-2 gap 0.125 nats
+            extra["logprobs"] = {"content": [{"token": "t", "logprob": -0.6, "top_logprobs": [
+                {"token": "t", "logprob": -0.6}, {"token": "u", "logprob": -0.725}]} for _ in ids]}
         self.send_json({"choices": [{"index": 0, "message": {"role": "assistant", "content": "t " * n},
                                      "meta_info": meta, "finish_reason": "length", **extra}],
                         "usage": {"prompt_tokens": 40, "completion_tokens": n}})
@@ -44,7 +54,7 @@ def servers():
     live, order = {}, []
     for name in VERIFY:
         server = start_server(Stub)
-        server.name, server.kinds, server.order, server.sent = name, [], order, {}
+        server.name, server.kinds, server.order, server.sent, server.prefills = name, [], order, {}, []
         live[name] = server
     yield live
     for server in live.values():
@@ -181,8 +191,16 @@ def test_parity_counts_prompts_whose_token_ids_match(servers, tmp_path, prompts_
     section = json.loads((tmp_path / "out" / "round_cost_h200.json").read_text())["deterministic_parity"]
     assert section["prompts"] == 10
     assert section["identical"] == (9 if diverging else 10)
-    assert ("gsm8k-1@5" in section["note"]) == diverging
     assert "enable_deterministic_inference" in section["note"]
+    if diverging:
+        (d,) = section["divergences"]
+        assert (d["id"], d["position"], d["kind"]) == ("gsm8k-1", 5, "near_tie") and d["gap"] == pytest.approx(0.125)
+        assert section["prefill_picks"] == {"spec": 1, "ar": 0, "neither": 0}
+        assert "picks DSPINE's token at 1" in section["note"]
+        (prefill,) = servers["AR"].prefills               # the AR server, prompt + the common prefix
+        assert prefill == [ord(ch) for ch in "q-gsm8k-1"] + [0, 1, 2, 3, 4]
+    else:
+        assert section["divergences"] == [] and not servers["AR"].prefills
 
 
 def test_parity_needs_ar_and_dspine():

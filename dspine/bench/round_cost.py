@@ -20,10 +20,12 @@ Every (repeat, level) sends its own `--prompts` prompts, the same ones to every 
 step profile drives a further pool of 64: no server sees a prompt twice, which matters for NGRAM
 (it remembers earlier outputs). `--skip-prompts K` leaves out each set's first K prompts, for
 servers an earlier benchmark already sent them to.
-3. Parity (`--parity N`, AR and DSPINE both given): N greedy mix prompts, one at a time, on both
-   servers; `deterministic_parity` = `{"prompts", "identical", "note"}`, identical meaning equal
-   token ids. The note records both servers' `enable_deterministic_inference` and attention
-   backends as `/server_info` reports them, and the first divergences.
+3. Parity (`--parity N`, AR and DSPINE both given, or the servers of `--parity-url`): N greedy mix
+   prompts, one at a time, on both servers; `deterministic_parity` = `{"prompts", "identical",
+   "note", ...}`, identical meaning equal token ids, plus each divergence with the AR server's
+   top-2 logprob gap there and the token its own one-pass prefill of prompt + common prefix picks
+   (`dspine.bench.parity`). The note records both servers' `enable_deterministic_inference` and
+   attention backends as `/server_info` reports them, and what the divergences are.
 
 Every profile phase of a config runs before its throughput levels: the profiler counts every decode
 step, so a throughput level run between two phases would be measured as the next phase.
@@ -53,6 +55,7 @@ from pathlib import Path
 from dspine.bench.chat_client import chat_body, load_prompt_mix, load_set_prompts, parity_pass, run_level
 from dspine.bench.copy_candidates import detect_device
 from dspine.bench.launchers import parse_urls
+from dspine.bench.parity import parity_summary, prefill_check
 from dspine.bench.results import BenchError, check_schema, command_line, write_results
 from dspine.data.eval_sets import EVAL_SETS
 from dspine.sglang.round_graph import STAGES
@@ -118,6 +121,7 @@ def prompt_tokens(base: str, bodies: list[dict], timeout: float) -> int:
     return round(statistics.fmean(counts))
 
 
+NEAR_TIE_NATS = 0.25   # two bf16 steps of a small target's top logits (`dspine.bench.parity`)
 PROFILE_POOL = 64      # prompts the step-profile phases cycle through, apart from the throughput levels
 
 
@@ -175,25 +179,27 @@ def throughput(rows: dict[str, list[dict]], args, bodies: list[dict]) -> None:
 
 def parity(args, prompts: list[dict]) -> dict:
     """`deterministic_parity` of the DSPINE server against AR on `args.parity` mix prompts (see the
-    module docstring)."""
-    bodies = [chat_body(p, args.served_model, args.max_tokens) for p in prompts[: args.parity]]
-    urls = {**args.urls, **args.parity_urls}
-    ar = parity_pass(urls["AR"].rstrip("/"), bodies, args.request_timeout, logprobs=False)
-    spec = parity_pass(urls["DSPINE"].rstrip("/"), bodies, args.request_timeout, logprobs=False)
-    diverged = []
-    for prompt, a, b in zip(prompts, ar, spec):
-        if a.token_ids != b.token_ids:
-            at = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
-                      min(len(a.token_ids), len(b.token_ids)))
-            diverged.append(f"{prompt['id']}@{at}")
+    module docstring): the counts, each divergence with the AR server's top-2 gap there
+    (`dspine.bench.parity`) and which token the AR server's own one-pass prefill of prompt + common
+    prefix picks (`prefill_picks`: "spec" means the target's multi-token forward itself chooses
+    DSPINE's token there, the numerics of a verify rather than a fault of the round)."""
+    prompts = prompts[: args.parity]
+    bodies = [chat_body(p, args.served_model, args.max_tokens) for p in prompts]
+    urls = {name: url.rstrip("/") for name, url in {**args.urls, **args.parity_urls}.items()}
+    ar = parity_pass(urls["AR"], bodies, args.request_timeout, logprobs=True)
+    spec = parity_pass(urls["DSPINE"], bodies, args.request_timeout, logprobs=False)
+    block = prefill_check(urls["AR"], ar, spec, parity_summary(ar, spec, prompts, NEAR_TIE_NATS), prompts,
+                          args.request_timeout)
     modes = []
     for name in ("AR", "DSPINE"):
-        info = HttpClient(urls[name].rstrip("/"), timeout=30, retries=1).get("/server_info")
+        info = HttpClient(urls[name], timeout=30, retries=1).get("/server_info")
         modes.append(f"{name}: enable_deterministic_inference={info.get('enable_deterministic_inference')}, "
                      f"attention_backend={info.get('attention_backend')}")
-    note = "; ".join(modes) + (f"; first divergences (prompt@token): {', '.join(diverged[:8])}" if diverged else "")
-    return {"prompts": len(bodies), "identical": len(bodies) - len(diverged), "note": note}
-
+    picks = block["prefill_picks"]
+    found = (f"; of {len(block['divergences'])} divergences, {block['near_tie_divergences']} are near-ties "
+             f"(top-2 gap <= {NEAR_TIE_NATS} nats) and the AR server's one-pass prefill picks DSPINE's token at "
+             f"{picks['spec']}, its own at {picks['ar']}, neither at {picks['neither']}") if block["divergences"] else ""
+    return {**block, "note": "; ".join(modes) + found}
 
 def table(results: dict) -> str:
     """ms per step (and / AR's at the same shape, workload and concurrency), host ms, tok/s, accept
