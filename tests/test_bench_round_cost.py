@@ -250,3 +250,12 @@ def test_measuring_needs_urls_and_a_shape():
         bench.main(["--shape", "x"])
     with pytest.raises(SystemExit):
         bench.main(["--url", "AR=http://127.0.0.1:1"])
+
+
+def test_a_failed_parity_pass_still_writes_the_runs(servers, tmp_path, prompts_dir, capsys):
+    for name in VERIFY:
+        write_phases(tmp_path / "prof" / name, 2.0, {"run_batch": 1.0})
+    assert run(servers, tmp_path, prompts_dir, "--parity", "4", "--parity-url", "DSPINE=http://127.0.0.1:9") == 1
+    assert "parity not measured" in capsys.readouterr().err
+    results = json.loads((tmp_path / "out" / "round_cost_h200.json").read_text())
+    assert len(results["runs"]) == 2 * len(VERIFY) and "deterministic_parity" not in results

@@ -383,12 +383,18 @@ def main(argv: list[str] | None = None) -> int:
         if not rows:
             return 1
         throughput(rows, args, level_bodies)
-        if args.parity:
-            sections["deterministic_parity"] = parity(args, load_prompt_mix(args.parity, args.prompts_dir))
-            print(f"parity: {sections['deterministic_parity']}")
     except (BenchError, HttpError) as exc:
         print(f"round cost: {exc}", file=sys.stderr)
         return 1
+    status = 0
+    if args.parity:     # a failed parity pass leaves the measured runs to be written, and the exit status 1
+        try:
+            block = parity(args, load_prompt_mix(args.parity, args.prompts_dir))
+            sections["deterministic_parity"] = block
+            print(f"parity: {block['identical']} of {block['prompts']} identical; {block['note']}")
+        except (BenchError, HttpError) as exc:
+            print(f"round cost: parity not measured: {exc}", file=sys.stderr)
+            status = 1
     runs = [row for runs in rows.values() for row in runs]
     old = json.loads(path.read_text()) if path.is_file() else None
     header = {"device": detect_device(info), "date": datetime.date.today().isoformat(),
@@ -399,4 +405,4 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     plot(results, args.out_dir, args.results_name)
     print(f"wrote {path}")
-    return 0
+    return status
