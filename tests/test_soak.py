@@ -236,7 +236,10 @@ def test_ctrl_c_stops_and_still_writes_results(fake, tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"),
            *soak_args(server.url, tmp_path, 300, "--clients", "2", "--max-tokens", "2", "4", "--config", "int")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # Ctrl-C as a terminal delivers it: a test runner started in the background (`cmd &` in a script)
+    # ignores SIGINT and its children inherit that, and a Python started so installs no handler.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 30
         while server.state["chat"] < 30 and time.monotonic() < deadline and proc.poll() is None:
