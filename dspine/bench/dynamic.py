@@ -209,7 +209,8 @@ def plot(results: dict, out_dir: Path) -> Path | None:
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set(xscale="log", xlabel="concurrency", ylabel="output tok/s ÷ AR",
            title=f"{Path(str(results.get('target', ''))).name or 'target'}: speculation vs AR ({results['device']})")
-    ax.legend(fontsize=7, ncol=2)
+    if ax.get_legend_handles_labels()[0]:          # nothing to name when no config was measured against AR
+        ax.legend(fontsize=7, ncol=2)
     return save_figure(fig, Path(out_dir) / f"{RESULTS_NAME}.png", dpi=120)
 
 
