@@ -15,6 +15,14 @@ case the kernel is exact for). The hook runs before SGLang captures the target's
 the graphs record the split-KV path. Per call, the kernel's own `can_handle` keeps every case it
 cannot serve exactly on `extend_attention_fwd`: the drafter's non-causal layers, sliding windows,
 ragged verify widths, logit caps, sinks.
+
+One fix rides along. The kernel's first stage leaves a split with no keys (a prefix shorter than
+`N_SPLITS` x 32 tokens has some) unwritten in its partial-output scratch, marked only by a -inf LSE,
+and the second stage weights that partial by exp(-inf) = 0. The scratch comes from `torch.empty`,
+and 0 x NaN is NaN: uninitialised memory holding a NaN pattern would poison that request's
+attention output. A second AFTER hook, on `VerifySplitKV._alloc`, zeroes the scratch once when it is
+allocated (`zero_split_partials`). After that an unwritten split holds 0 or a finite partial from an
+earlier call, and either weighs 0.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from dspine.serve.flags import ALGORITHM
 logger = logging.getLogger(__name__)
 
 HOOK_TARGET = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__"
+SCRATCH_HOOK_TARGET = "sglang.kernels.ops.attention.verify_splitkv.VerifySplitKV._alloc"
 _logged = False
 
 
@@ -48,6 +57,13 @@ def enable_split_kv_verify(result, backend, model_runner, *args, **kwargs):
     return None
 
 
+def zero_split_partials(result, kernel, *args, **kwargs):
+    """AFTER hook on `VerifySplitKV._alloc(self, max_bs)`: the fresh partial-output scratch
+    `att_out` [max_bs, H_q, N_SPLITS, L_pad, Dv] fp32 zeroed (see the module docstring)."""
+    kernel.att_out.zero_()
+    return None
+
+
 def install_from_environment(environ=None) -> bool:
     """Register the hook when `DSPINE_VERIFY_SPLITKV=1` (False otherwise). SGLang's `load_plugins`
     applies registered hooks right after the plugins' `register()`."""
@@ -55,6 +71,7 @@ def install_from_environment(environ=None) -> bool:
         return False
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    if not any(hook is enable_split_kv_verify for _, hook, _ in HookRegistry._hooks.get(HOOK_TARGET, [])):
-        HookRegistry.register(HOOK_TARGET, enable_split_kv_verify, HookType.AFTER)
+    for target, hook in ((HOOK_TARGET, enable_split_kv_verify), (SCRATCH_HOOK_TARGET, zero_split_partials)):
+        if not any(registered is hook for _, registered, _ in HookRegistry._hooks.get(target, [])):
+            HookRegistry.register(target, hook, HookType.AFTER)
     return True

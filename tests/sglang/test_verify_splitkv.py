@@ -32,18 +32,22 @@ def clean_hooks():
     HookRegistry._hooks[verify_splitkv.HOOK_TARGET] = before
 
 
-def test_the_hook_is_registered_once_and_only_when_asked(clean_hooks):
-    ours = lambda: [h for _, h, _ in clean_hooks._hooks.get(verify_splitkv.HOOK_TARGET, [])  # noqa: E731
-                    if h is verify_splitkv.enable_split_kv_verify]
+def test_the_hooks_are_registered_once_and_only_when_asked(clean_hooks):
+    def ours():
+        return [h for target in (verify_splitkv.HOOK_TARGET, verify_splitkv.SCRATCH_HOOK_TARGET)
+                for _, h, _ in clean_hooks._hooks.get(target, [])
+                if h in (verify_splitkv.enable_split_kv_verify, verify_splitkv.zero_split_partials)]
     assert verify_splitkv.install_from_environment({}) is False and ours() == []
     assert verify_splitkv.install_from_environment({"DSPINE_VERIFY_SPLITKV": "1"}) is True
     assert verify_splitkv.install_from_environment({"DSPINE_VERIFY_SPLITKV": "1"}) is True
-    assert len(ours()) == 1
+    assert ours() == [verify_splitkv.enable_split_kv_verify, verify_splitkv.zero_split_partials]
 
 
 def test_the_hooked_constructor_exists_and_sets_what_the_hook_flips():
     """The hook's target resolves in this SGLang, and its constructor is the one that defines
     `verify_splitkv_fwd` and `use_verify_splitkv` (what `enable_split_kv_verify` reads and sets)."""
+    kernel_class = pkgutil.resolve_name(verify_splitkv.SCRATCH_HOOK_TARGET.rsplit(".", 1)[0])
+    assert "self.att_out = torch.empty(" in inspect.getsource(kernel_class._alloc)
     backend_class = pkgutil.resolve_name(verify_splitkv.HOOK_TARGET.rsplit(".", 1)[0])
     source = inspect.getsource(backend_class.__init__)
     assert "self.verify_splitkv_fwd =" in source and "self.use_verify_splitkv =" in source
@@ -89,17 +93,40 @@ def verify_problem(prefix, hq, hkv, d, seed=0):
     return q, k, v, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices
 
 
+def split_kv(q, k, v, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, scratch: str):
+    """SGLang's split-KV verify, its cached scratch first allocated afresh and filled with NaN (what
+    uninitialised memory may hold), then zeroed as the plugin's hook does (`scratch="hooked"`) or
+    left as it is (`"as allocated"`)."""
+    from sglang.kernels.ops.attention import verify_splitkv as kernel
+
+    kernel._VK_CACHE.clear()
+    bs = qo_indptr.shape[0] - 1
+    vk = kernel._get_vk(bs, q.shape[1], k.shape[1], q.shape[2], v.shape[2], L, q.device,
+                        n_splits=kernel.choose_n_splits(kv_indices.shape[0] / bs))
+    vk.att_out.fill_(float("nan"))
+    if scratch == "hooked":
+        verify_splitkv.zero_split_partials(None, vk, bs)
+    out = torch.zeros_like(q)
+    assert kernel.verify_splitkv_fwd(q, k, v, out, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, None, True,
+                                     None, L, 1.0, 1.0) is True
+    return out
+
+
 @pytest.mark.parametrize("shape, prefix", [((9, 3, 64), [5, 40, 130]),     # SmolLM2: 9 query heads, 3 KV heads
                                            ((32, 8, 128), [1, 70])])       # Qwen3-8B
 def test_split_kv_verify_matches_causal_verify_attention(shape, prefix):
-    from sglang.kernels.ops.attention.verify_splitkv import verify_splitkv_fwd
-
-    q, k, v, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices = verify_problem(prefix, *shape)
-    out = torch.zeros_like(q)
-    assert verify_splitkv_fwd(q, k, v, out, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, None, True, None,
-                              L, 1.0, 1.0) is True
+    problem = verify_problem(prefix, *shape)
+    q, k, v, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices = problem
+    out = split_kv(*problem, scratch="hooked")
     torch.testing.assert_close(out, reference(q, k, v, k_buf, v_buf, kv_indptr, kv_indices, prefix),
                                atol=2e-5, rtol=1e-4)
+
+
+def test_unzeroed_scratch_poisons_short_prefixes():
+    """Why the scratch hook exists: a 5-token prefix leaves splits without keys, and their NaN
+    scratch reaches the output through a weight of 0."""
+    out = split_kv(*verify_problem([5, 40, 130], 9, 3, 64), scratch="as allocated")
+    assert out[:L].isnan().any()
 
 
 def test_cases_it_cannot_serve_exactly_are_left_to_the_prefill_kernel():
