@@ -136,13 +136,13 @@ def test_config_json_carries_the_keys_transformers_and_sglang_read(saved):
     cfg = json.loads((path / "config.json").read_text())
     dc = model.config
     assert cfg["dtype"] == cfg["torch_dtype"] == "float32" and cfg["num_target_layers"] == dc.num_target_layers
-    assert cfg["layer_types"] == ["sliding_attention"] * dc.num_hidden_layers
-    assert cfg["sliding_window"] == dc.sliding_window and cfg["use_sliding_window"] is True
+    assert cfg["layer_types"] == ["full_attention"] * dc.num_hidden_layers   # no per-layer window
+    assert cfg["sliding_window"] == dc.sliding_window and cfg["use_sliding_window"] is False
     assert cfg["is_causal"] is False                    # the block attends bidirectionally
     from transformers import AutoConfig
 
     parsed = AutoConfig.from_pretrained(path)
-    assert parsed.layer_types == cfg["layer_types"] and parsed.sliding_window == dc.sliding_window
+    assert parsed.layer_types == cfg["layer_types"]
 
 
 def test_checkpoint_without_the_new_keys_still_loads(saved):

@@ -228,7 +228,7 @@ def test_the_checkpoint_config_mirrors_the_shapes_sglang_reads(built):
         num_attention_heads=p.heads, num_key_value_heads=p.kv_heads, head_dim=p.head_dim, vocab_size=p.vocab,
         rope_theta=p.rope_theta, sliding_window=p.window, block_size=p.block, num_target_layers=p.layers,
         tie_word_embeddings=False)
-    assert data["layer_types"] == ["sliding_attention"] * p.draft_layers
+    assert data["layer_types"] == ["full_attention"] * p.draft_layers
     assert data["dflash_config"] == {"block_size": p.block, "target_layer_ids": list(p.target_layer_ids),
                                      "num_target_layers": p.layers, "mask_token_id": p.mask_token_id}
     assert DSpineConfig.from_dict(data["dspine_config"]) == drafter.config

@@ -121,11 +121,13 @@ def hf_config(cfg: DSpineConfig, dtype_name: str, extra: dict | None = None) -> 
         "dtype": dtype_name,
         "torch_dtype": dtype_name,  # the name transformers < 4.56 and older readers use
         "num_target_layers": cfg.num_target_layers,
-        # The context window, as transformers and SGLang's DFlash draft read it: every layer windowed,
-        # the block attending bidirectionally (not causal).
-        "layer_types": ["sliding_attention"] * cfg.num_hidden_layers,
+        # Every layer full attention over what the draft cache holds and bidirectional within the
+        # block (SGLang's DFlash: ENCODER_ONLY). The context window is not a layer type: SGLang
+        # applies it with its compact draft cache (--speculative-draft-window-size, which DSPINE
+        # sets from dspine_config.sliding_window); `sliding_window` records it for other readers.
+        "layer_types": ["full_attention"] * cfg.num_hidden_layers,
         "sliding_window": cfg.sliding_window,
-        "use_sliding_window": True,
+        "use_sliding_window": False,
         "is_causal": False,
         "block_size": cfg.block_size,
         "dflash_config": dflash_config_for(cfg),

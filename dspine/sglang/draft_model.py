@@ -21,6 +21,8 @@ What DSpine adds, and only here:
   graph, copied on replay) next to `input_embeds`, so nothing has to be stashed. DFlash's fused
   residual is unfolded to the full hidden state around the injection (DSpine's layer is
   `x += attn(norm(x)); x += mlp(norm(x)); x = inject(x)`).
+- **Layer attention**: every layer is built bidirectional over the compact draft cache's window
+  (`bidirectional_layers`), also from configs that list `sliding_attention` layers.
 - **Transfer table** U = E_out P^T ([V, r]) from the TARGET's `lm_head`, attached by the worker
   (`attach_target_head`) before graph capture. U lives in one persistent buffer (the captured
   graphs read its address); it is (re)computed outside graphs: at attach time, on the first real
@@ -82,6 +84,22 @@ def block_inputs(input_embeds: Tensor, mask_embedding: Tensor, block_size: int) 
     blocks = input_embeds.reshape(-1, block_size, hidden)
     masks = mask_embedding.to(blocks.dtype).expand(blocks.shape[0], block_size - 1, hidden)
     return torch.cat([blocks[:, :1], masks], dim=1).reshape(-1, hidden)
+
+
+def bidirectional_layers(config) -> None:
+    """Make SGLang build every draft layer as DSpine trained it: the block attending to its context
+    window and bidirectionally within itself (DFlash's `full_attention` + `is_causal: false`, i.e.
+    ENCODER_ONLY), with no per-layer sliding window. Sets `config.layer_types` to `full_attention`
+    (and `is_causal` to False) in place. The context window is SGLang's compact draft cache, sized by
+    `--speculative-draft-window-size` (the plugin sets it from `dspine_config.sliding_window`): every
+    query of a block sees the same last `window` committed tokens, as in training.
+
+    Why: SGLang 0.5.17 builds a `sliding_attention` layer as DECODER attention, causal inside the
+    block whatever `is_causal` says, with a per-query window (0.5.20+ honour `is_causal`). Checkpoints
+    written before DSpine stopped emitting `sliding_attention` still say so; this serves them right."""
+    config.layer_types = ["full_attention"] * int(config.num_hidden_layers)
+    config.is_causal = False
+    config.use_sliding_window = False
 
 
 def transfer_table_from_head(head_weight: Tensor, proj_weight: Tensor, vocab_size: int, *, shard=None,
@@ -185,6 +203,7 @@ class DSpineDraftModel(_DFlashDraftModel):
         if quant_config is not None:  # SGLang hands the draft the target's --quantization by default
             logger.warning("DSPINE: the draft runs unquantized (%s ignored; --speculative-draft-model-quantization "
                            "unquant silences this).", type(quant_config).__name__)
+        bidirectional_layers(config)
         super().__init__(config=config, quant_config=None, prefix=prefix)
         self.dspine_config = cfg
         if int(self.num_context_features) != cfg.num_context_features:

@@ -264,6 +264,8 @@ def test_parameter_count(served):
 def test_what_sglang_reads_from_the_checkpoint(served):
     """Captured target layers, block, window, attention and rotary shapes as SGLang resolves them."""
     p, dc, server_args, _, model, _ = served
+    from sglang.srt.layers.radix_attention import AttentionType
+
     from dspine.sglang import compat
 
     assert dc.target_layer_ids == list(p.target_layer_ids) and all(0 <= i < p.layers for i in p.target_layer_ids)
@@ -279,7 +281,8 @@ def test_what_sglang_reads_from_the_checkpoint(served):
     for layer in model.layers:
         attn = layer.self_attn
         assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (p.heads, p.kv_heads, p.head_dim)
-        assert attn.sliding_window_size == p.window - 1  # SGLang keeps window_left (HF windows count the token)
+        # Bidirectional, no per-layer window: the window is the compact draft cache's (checked above).
+        assert attn.sliding_window_size in (None, -1) and attn.attn.attn_type == AttentionType.ENCODER_ONLY
         assert attn.rotary_emb.base == p.rope_theta
         assert tuple(attn.rotary_emb.cos_sin_cache.shape) == (p.max_positions, p.head_dim)
 

@@ -329,6 +329,25 @@ def test_name_mapping_and_coverage_as_pure_functions(sglang_env, ckpt):
         check_weight_coverage(params, mapped, ["confidence.extra"])
 
 
+@pytest.mark.parametrize("layer_type", ["full_attention", "sliding_attention"])
+def test_draft_layers_attend_bidirectionally_without_a_layer_window(sglang_env, tmp_path, layer_type):
+    """Every draft layer is built as DSpine trained it: ENCODER_ONLY (bidirectional in the block), no
+    per-layer sliding window (the window is SGLang's compact draft cache). Also for a checkpoint whose
+    config.json still says `sliding_attention`, which SGLang 0.5.17 builds as causal DECODER attention
+    with a per-query window."""
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    path = write_checkpoint(tmp_path / layer_type, dspine_cfg())
+    config_file = tmp_path / layer_type / "config.json"
+    data = json.loads(config_file.read_text())
+    data.update(layer_types=[layer_type] * data["num_hidden_layers"], use_sliding_window=layer_type != "full_attention")
+    config_file.write_text(json.dumps(data))
+    model = build_model(path)
+    for layer in model.layers:
+        assert layer.self_attn.attn.attn_type == AttentionType.ENCODER_ONLY
+        assert layer.self_attn.attn.sliding_window_size in (None, -1)
+
+
 def test_the_dflash_config_mirror_is_required(sglang_env, tmp_path):
     from dspine.sglang.draft_weights import check_dflash_mirror, dspine_config_of
 
