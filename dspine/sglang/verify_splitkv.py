@@ -1,30 +1,24 @@
-"""Split-KV verify attention for the target on CUDA (`DSPINE_VERIFY_SPLITKV=1`).
+"""Split-KV block attention for a DSPINE server's verify and draft forwards (`DSPINE_VERIFY_SPLITKV=1`).
 
-SGLang's triton backend runs a TARGET_VERIFY forward (16 query tokens per request) through its
-prefill kernel `extend_attention_fwd`, whose programs are (request, head, query block): each walks
-its request's whole prefix alone, so at one request a 3k-token context is ~9 programs on a
-132-SM GPU, each looping ~50 key blocks. SGLang (0.5.17 to 0.5.23) also ships a split-KV verify
-kernel (`sglang.kernels.ops.attention.verify_splitkv`: the prefix split across programs
-flash-decode style, an LSE merge, then the causal draft block), but `TritonAttnBackend.__init__`
-turns it on (`use_verify_splitkv`) only on AMD gfx95. On an H200 it does not pay at the shapes
-measured (its merge stage costs more than the prefill kernel's whole layer at SmolLM2 shapes; 3 %
-off the verify at Qwen3-8B shapes with 2,000-token prompts), so it is opt-in.
+SGLang's triton backend runs every TARGET_VERIFY forward (the target's verify and, in the DFlash
+family, the drafter's block) through its prefill kernel `extend_attention_fwd`, whose programs are
+(request, query head, query block): each walks its request's whole prefix alone, so at one request
+the target's verify is Hq programs on a 132-SM GPU (SmolLM2 on an H200: 13-17 us a layer; the
+draft's layers longer). `TritonAttnBackend.forward_extend` has one seam before that call: when the
+backend's `use_verify_splitkv` is set, it first calls `self.verify_splitkv_fwd(...)` with the
+prefill kernel's arguments, and uses the result when that returns True. SGLang sets it only on AMD
+gfx95, with its own kernel, which on an H200 is slower than the prefill kernel (its merge stage
+alone ~23 us a layer, `benchmarks/results/round_cost_h200.json`).
 
-`install_from_environment()` (the plugin calls it) registers an AFTER hook on that `__init__`
-through SGLang's `HookRegistry`; `enable_split_kv_verify` then sets `use_verify_splitkv` on every
-triton backend of a DSPINE server whose speculative top-k is 1 (a DFlash-style chain, the only
-case the kernel is exact for). The hook runs before SGLang captures the target's verify graphs, so
-the graphs record the split-KV path. Per call, the kernel's own `can_handle` keeps every case it
-cannot serve exactly on `extend_attention_fwd`: the drafter's non-causal layers, sliding windows,
-ragged verify widths, logit caps, sinks.
-
-One fix rides along. The kernel's first stage leaves a split with no keys (a prefix shorter than
-`N_SPLITS` x 32 tokens has some) unwritten in its partial-output scratch, marked only by a -inf LSE,
-and the second stage weights that partial by exp(-inf) = 0. The scratch comes from `torch.empty`,
-and 0 x NaN is NaN: uninitialised memory holding a NaN pattern would poison that request's
-attention output. A second AFTER hook, on `VerifySplitKV._alloc`, zeroes the scratch once when it is
-allocated (`zero_split_partials`). After that an unwritten split holds 0 or a finite partial from an
-earlier call, and either weighs 0.
+`install_from_environment()` (the plugin calls it) registers an AFTER hook on
+`TritonAttnBackend.__init__` through SGLang's `HookRegistry`: on every triton backend of a DSPINE
+server at speculative top-k 1 (a chain, both runners) it sets `use_verify_splitkv` and points
+`verify_splitkv_fwd` at `verify_attention_fwd`, which runs `dspine.kernels.verify_attention`
+(the prefix split across programs, all query heads of a KV head and all block tokens in one tile,
+then an LSE merge) for the cases that kernel computes exactly as the prefill kernel defines them,
+and returns False for every other (custom masks, sliding windows, logit caps, sinks, scaled or
+other-dtype KV caches, ragged blocks), which SGLang then runs on its prefill kernel. The hook runs
+before SGLang captures its graphs, so the captured forwards record this path.
 """
 
 from __future__ import annotations
@@ -37,32 +31,52 @@ from dspine.serve.flags import ALGORITHM
 logger = logging.getLogger(__name__)
 
 HOOK_TARGET = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__"
-SCRATCH_HOOK_TARGET = "sglang.kernels.ops.attention.verify_splitkv.VerifySplitKV._alloc"
 _logged = False
 
 
+def verify_attention_fwd(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
+                         kv_indices, custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale,
+                         sm_scale=None, logit_cap=0.0, sliding_window_size=-1, sinks=None, window_kv_offsets=None,
+                         xai_temperature_len=-1, max_bs=None, **_) -> bool:
+    """`extend_attention_fwd`'s arguments (SGLang's `verify_splitkv_fwd` seam) -> True when it wrote
+    o_extend [bs*N, Hq, D] with `verify_attention`, False (nothing written) for a case it leaves to
+    the prefill kernel. Only host-side shapes and Python values are read: no device sync."""
+    del mask_indptr, max_bs
+    if custom_mask is not None or sinks is not None or window_kv_offsets is not None:
+        return False
+    if (sliding_window_size or -1) > 0 or (logit_cap or 0) > 0 or (xai_temperature_len or -1) > 0:
+        return False
+    if float(k_scale) != 1.0 or float(v_scale) != 1.0 or k_buffer.dtype != q_extend.dtype:
+        return False
+    bs, block = qo_indptr.shape[0] - 1, int(max_len_extend)
+    tokens, hq, d = q_extend.shape
+    hkv = k_extend.shape[1]
+    if bs < 1 or block < 1 or tokens != bs * block or hq % hkv or d & (d - 1) or not 16 <= d <= 256:
+        return False
+    if v_extend.shape[-1] != d or k_buffer.shape[1:] != (hkv, d) or v_buffer.shape[1:] != (hkv, d):
+        return False
+    from dspine.kernels.verify_attention import verify_attention
+
+    verify_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, kv_indptr, kv_indices, block=block,
+                     causal=bool(is_causal), scale=float(sm_scale) if sm_scale is not None else d ** -0.5)
+    return True
+
+
 def enable_split_kv_verify(result, backend, model_runner, *args, **kwargs):
-    """AFTER hook on `TritonAttnBackend.__init__(self, model_runner, ...)`: turn the split-KV verify
-    path on for a DSPINE server at speculative top-k 1 (returns None: the constructor's result is
-    kept)."""
+    """AFTER hook on `TritonAttnBackend.__init__(self, model_runner, ...)`: route a DSPINE chain
+    server's TARGET_VERIFY attention to `verify_attention_fwd` (returns None: the constructor's
+    result is kept)."""
     global _logged
     server_args = getattr(model_runner, "server_args", None)
     algorithm = str(getattr(server_args, "speculative_algorithm", None) or "").upper()
-    if algorithm != ALGORITHM or getattr(backend, "topk", None) != 1 \
-            or not callable(getattr(backend, "verify_splitkv_fwd", None)):
+    if algorithm != ALGORITHM or getattr(backend, "topk", None) != 1 or not hasattr(backend, "use_verify_splitkv"):
         return None
     backend.use_verify_splitkv = True
+    backend.verify_splitkv_fwd = verify_attention_fwd
     if not _logged:
-        logger.info("DSPINE: the target's verify attention runs through SGLang's split-KV verify kernel "
-                    "(%s=1).", env.DSPINE_VERIFY_SPLITKV.name)
+        logger.info("DSPINE: verify and draft attention run through DSpine's split-KV block kernel (%s=1).",
+                    env.DSPINE_VERIFY_SPLITKV.name)
         _logged = True
-    return None
-
-
-def zero_split_partials(result, kernel, *args, **kwargs):
-    """AFTER hook on `VerifySplitKV._alloc(self, max_bs)`: the fresh partial-output scratch
-    `att_out` [max_bs, H_q, N_SPLITS, L_pad, Dv] fp32 zeroed (see the module docstring)."""
-    kernel.att_out.zero_()
     return None
 
 
@@ -73,7 +87,6 @@ def install_from_environment(environ=None) -> bool:
         return False
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for target, hook in ((HOOK_TARGET, enable_split_kv_verify), (SCRATCH_HOOK_TARGET, zero_split_partials)):
-        if not any(registered is hook for _, registered, _ in HookRegistry._hooks.get(target, [])):
-            HookRegistry.register(target, hook, HookType.AFTER)
+    if not any(registered is enable_split_kv_verify for _, registered, _ in HookRegistry._hooks.get(HOOK_TARGET, [])):
+        HookRegistry.register(HOOK_TARGET, enable_split_kv_verify, HookType.AFTER)
     return True
