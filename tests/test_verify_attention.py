@@ -71,7 +71,8 @@ def test_reference_equals_dense_attention(causal):
     ([0, 1, 70, 300], 16, 9, 3, 64, 4, True),      # SmolLM2's heads, empty and one-token prefixes
     ([130], 16, 9, 3, 64, 16, False),                # the drafter's bidirectional block, more splits than tiles
     ([17, 64], 4, 8, 8, 16, 2, True),                # no grouping, a small block
-    ([200, 5], 8, 16, 2, 32, 3, True),               # 8 query heads per KV head (a 128-row tile)
+    ([200, 5], 8, 16, 2, 32, 3, True),               # 8 query heads per KV head (one 64-row tile)
+    ([33, 90], 16, 18, 2, 64, 3, True),              # 144 query rows a KV head: two row tiles, the last partial
 ])
 def test_kernel_equals_reference(lengths, block, hq, hkv, d, splits, causal):
     case = paged_case(lengths, block, hq, hkv, d, seed=len(lengths) + d)

@@ -11,10 +11,11 @@ SGLang's triton prefill kernel gives each (request, query head) one program that
 prefix alone: at one request that is Hq programs on a 132-SM GPU, each looping over L / 64 key
 tiles. Here, flash-decode style, two launches with static shapes (CUDA-graph safe, no host sync):
 
-- `verify_attention_split_fwd_kernel`, grid (bs, Hkv, S + 1): program (b, h, s < S) takes split s of
-  request b's prefix (S equal chunks of whole key tiles, sized on the device from L_b) for all
-  G = Hq / Hkv query heads of KV head h and all N tokens at once (G*N query rows, one tile); program
-  s = S takes the N new keys with the causal mask. Each writes its normalised partial output and
+- `verify_attention_split_fwd_kernel`, grid (bs, Hkv * R, S + 1): program (b, (h, r), s < S) takes
+  split s of request b's prefix (S equal chunks of whole key tiles, sized on the device from L_b)
+  for row tile r of the G*N query rows of KV head h (G = Hq / Hkv query heads x N tokens, row
+  t*G + g; R tiles of at most 8k query elements: one tile up to G*N*D = 8192); program s = S takes
+  the N new keys with the causal mask. Each writes its normalised partial output and
   log-sum-exp (a split without keys: output 0, LSE -inf, both written).
 - `verify_attention_merge_fwd_kernel`, grid (bs*N, Hq): the S + 1 partials merged by their LSEs.
 
@@ -74,6 +75,7 @@ def verify_attention_split_fwd_kernel(
     stride_kbs, stride_kbh, stride_vbs, stride_vbh,
     scale_log2,  # softmax scale x log2(e)
     Hq,
+    R,  # row tiles per KV head: cdiv(N*G, BLOCK_M)
     N: tl.constexpr,
     G: tl.constexpr,
     S: tl.constexpr,
@@ -84,9 +86,10 @@ def verify_attention_split_fwd_kernel(
     BLOCK_E: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64) // R
+    i_r = tl.program_id(1) % R
     i_s = tl.program_id(2)
-    o_m = tl.arange(0, BLOCK_M)
+    o_m = i_r * BLOCK_M + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, D)
     t = o_m // G                                                        # query token of each row
     head = i_h * G + o_m % G                                            # its query head
@@ -189,12 +192,14 @@ def verify_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, k_buffer: Ten
     _kernels.build()
     part_o = torch.empty(tokens, hq, splits + 1, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(tokens, hq, splits + 1, dtype=torch.float32, device=q.device)
-    block_m = max(16, _next_pow2(block * groups))
-    verify_attention_split_fwd_kernel[(bs, hkv, splits + 1)](
+    rows = block * groups
+    block_m = max(16, min(_next_pow2(rows), 8192 // d))          # a q tile of at most 8k elements
+    row_tiles = -(-rows // block_m)
+    verify_attention_split_fwd_kernel[(bs, hkv * row_tiles, splits + 1)](
         q, k, v, k_buffer, v_buffer, kv_indptr, kv_indices, part_o, part_lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        scale * math.log2(math.e), hq, N=block, G=groups, S=splits, D=d, CAUSAL=causal, BLOCK_M=block_m,
+        scale * math.log2(math.e), hq, row_tiles, N=block, G=groups, S=splits, D=d, CAUSAL=causal, BLOCK_M=block_m,
         BLOCK_N=64 if d <= 128 else 32, BLOCK_E=max(16, _next_pow2(block)), num_warps=4 if block_m <= 64 else 8)
     verify_attention_merge_fwd_kernel[(tokens, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), hq, S=splits,
                                                 SP=_next_pow2(splits + 1), D=d, num_warps=1 if d <= 64 else 2)
