@@ -95,8 +95,8 @@ def bidirectional_layers(config) -> None:
     query of a block sees the same last `window` committed tokens, as in training.
 
     Why: SGLang 0.5.17 builds a `sliding_attention` layer as DECODER attention, causal inside the
-    block whatever `is_causal` says, with a per-query window (0.5.20+ honour `is_causal`). Checkpoints
-    written before DSpine stopped emitting `sliding_attention` still say so; this serves them right."""
+    block whatever `is_causal` says, with a per-query window (0.5.20+ honour `is_causal`). A config.json
+    that lists `sliding_attention` layers is served the same way as one that lists `full_attention`."""
     config.layer_types = ["full_attention"] * int(config.num_hidden_layers)
     config.is_causal = False
     config.use_sliding_window = False
