@@ -1,18 +1,16 @@
 """Injection and selection kernels vs their PyTorch references.
 
-CPU: the Triton interpreter at small shapes (TRITON_INTERPRET=1, set here before any kernel is
-built). GPU host, full shapes: `TRITON_INTERPRET=0 pytest -m gpu tests/test_kernels.py`.
+CPU: the Triton interpreter at small shapes (TRITON_INTERPRET=1, set by tests/conftest.py before
+any kernel is built). GPU host, full shapes: `TRITON_INTERPRET=0 pytest -m gpu tests/test_kernels.py`.
 Outputs are pre-filled with NaN (-1 for indices) so an unwritten element fails.
 """
-
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is built
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from triton_marks import gpu, interpreted  # noqa: E402
 
 from dspine.model.config import DSpineConfig  # noqa: E402
 from dspine.model.drafter import DSpineDrafter  # noqa: E402
@@ -35,14 +33,10 @@ from dspine.kernels.transition_select import transition_path, transition_path_re
 from dspine.model.selection import select_tokens  # noqa: E402
 from dspine.model.transition import TransitionScorer  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Relative-norm tolerance of the injected hidden states. bf16: the kernel rounds once where the
 # reference rounds after every op (the interpreter also truncates instead of rounding to nearest).
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
-                         reason="needs CUDA and compiled Triton (TRITON_INTERPRET=0)")
-interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
 
 
 def _injection_inputs(n, blk, hidden, vocab, rank, dtype, device="cpu", seed=0):

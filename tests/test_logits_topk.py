@@ -1,6 +1,6 @@
 """The split-V top-k of the draft logits (dspine/kernels/logits_topk.py) against its PyTorch reference.
 
-CPU: the Triton interpreter at small shapes (TRITON_INTERPRET=1, set before any kernel is built;
+CPU: the Triton interpreter at small shapes (TRITON_INTERPRET=1, set by tests/conftest.py before any kernel is built;
 `_multiprocessors` is 4 there, so rows still split into several slices and the merges run). GPU
 host, full shapes: `TRITON_INTERPRET=0 pytest -m gpu tests/test_logits_topk.py`. Outputs are
 pre-filled with NaN (-1 for indices) so an unwritten element fails. The reference and the kernel
@@ -8,25 +8,18 @@ share one tie rule (equal logits: lower index first), so indices must match exac
 `torch.sort(..., stable=True)` is the independent second oracle of that order.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is built
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from triton_marks import gpu, interpreted  # noqa: E402
 
 from dspine.kernels import logits_topk as topk_module  # noqa: E402
 from dspine.kernels.logits_topk import logits_topk, logits_topk_reference, topk_grid  # noqa: E402
 from dspine.kernels.topk_keys import ordered_keys_reference  # noqa: E402
 from dspine.model.selection import select_tokens  # noqa: E402
 from dspine.model.transition import TransitionScorer  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
-                         reason="needs CUDA and compiled Triton (TRITON_INTERPRET=0)")
-interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
 
 
 def _distinct(m: int, v: int, dtype: torch.dtype, seed: int = 0, device="cpu",

@@ -1,26 +1,19 @@
 """The suffix match behind copy candidates (dspine/kernels/suffix_match.py): the PyTorch reference
 against a brute-force search written from the definition, and the Triton kernel against the reference.
 
-CPU: the kernel runs in the Triton interpreter (TRITON_INTERPRET=1, set before any kernel is built).
+CPU: the kernel runs in the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py before any kernel is built).
 GPU host: `TRITON_INTERPRET=0 pytest -m gpu tests/test_suffix_match.py`. Outputs are pre-filled with
 garbage so an unwritten element fails.
 """
-
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is built
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from dspine.kernels.suffix_match import suffix_match, suffix_match_reference  # noqa: E402
+from triton_marks import gpu, interpreted  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
-                         reason="needs CUDA and compiled Triton (TRITON_INTERPRET=0)")
-interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+from dspine.kernels.suffix_match import suffix_match, suffix_match_reference  # noqa: E402
 
 
 def brute_suffix_match(tokens: list[int], n: int, min_match: int, max_match: int, max_span: int,

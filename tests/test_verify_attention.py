@@ -1,26 +1,19 @@
 """Block-verify attention (dspine/kernels/verify_attention.py): the PyTorch reference against plain
 softmax attention over explicitly built keys and masks, and the Triton kernel against the reference.
 
-CPU: the kernel runs in the Triton interpreter (TRITON_INTERPRET=1, set before any kernel is built).
+CPU: the kernel runs in the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py before any kernel is built).
 GPU host: `TRITON_INTERPRET=0 pytest -m gpu tests/test_verify_attention.py`. Outputs are pre-filled
 with NaN so an unwritten element fails.
 """
-
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is built
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from dspine.kernels.verify_attention import verify_attention, verify_attention_reference  # noqa: E402
+from triton_marks import gpu, interpreted  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
-                         reason="needs CUDA and compiled Triton (TRITON_INTERPRET=0)")
-interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+from dspine.kernels.verify_attention import verify_attention, verify_attention_reference  # noqa: E402
 
 
 def paged_case(lengths, block, hq, hkv, d, *, dtype=torch.float32, device="cpu", seed=0):
