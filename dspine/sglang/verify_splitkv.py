@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from dspine import env
 from dspine.serve.flags import ALGORITHM
 
@@ -34,6 +36,7 @@ HOOK_TARGET = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__in
 _logged = False
 
 
+@torch.compiler.disable   # as SGLang wraps its own kernel here: dynamo never traces into the launches
 def verify_attention_fwd(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
                          kv_indices, custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale,
                          sm_scale=None, logit_cap=0.0, sliding_window_size=-1, sinks=None, window_kv_offsets=None,
