@@ -176,7 +176,8 @@ def test_replayssm_needs_static_verify(tmp_path):
 
 def test_the_speculation_switch_is_checked_before_launch(tmp_path):
     """The switch file DSPINE_DYNAMIC names: the same rules the worker applies, named before anything
-    starts (a missing or malformed file, a hybrid ReplaySSM target, plain steps longer than a block)."""
+    starts (a missing or malformed file, a hybrid target whose prefix cache snapshots decode states, plain
+    steps longer than a block)."""
     draft = make_draft(tmp_path)
     for name, steps in (("round.json", [16, 64]), ("plain.json", [1, 4])):
         (tmp_path / name).write_text(json.dumps({"sample_batch_tokens": steps, "sample_steps_per_sec": [100.0, 50.0],
@@ -196,7 +197,12 @@ def test_the_speculation_switch_is_checked_before_launch(tmp_path):
     write_forced_switch(plain1, "plain")
     write_forced_switch(plain8, "plain", plain_tokens=8)
     hybrid = command("qwen3.8-27b", "--speculative-draft-model-path", draft, environ={"DSPINE_DYNAMIC": str(plain1)})
-    assert len(hybrid.errors) == 1 and "hybrid linear-attention" in hybrid.errors[0]
+    assert len(hybrid.errors) == 1 and "Fix: add --mamba-radix-cache-strategy no_buffer" in hybrid.errors[0]
+    for no_snapshots in (["--mamba-radix-cache-strategy", "no_buffer"], ["--disable-radix-cache"]):
+        assert command("qwen3.8-27b", "--speculative-draft-model-path", draft, *no_snapshots,
+                       environ={"DSPINE_DYNAMIC": str(plain1)}).errors == []
+    assert command("qwen3.8-27b", "--speculative-draft-model-path", draft, "--mamba-radix-cache-strategy",
+                   "extra_buffer", environ={"DSPINE_DYNAMIC": str(plain1)}).errors == hybrid.errors
     assert command("qwen3-8b", "--speculative-draft-model-path", draft, environ={"DSPINE_DYNAMIC": str(plain8)}).errors == []
     (tmp_path / "b4").mkdir()
     long = command("qwen3-8b", "--speculative-draft-model-path", make_draft(tmp_path / "b4", block_size=4),

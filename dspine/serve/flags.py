@@ -171,13 +171,18 @@ def resolve_step_switch(environ: Mapping[str, str] | None = None) -> SwitchConfi
         raise FlagError(f"{env.DSPINE_DYNAMIC.name}: {err}") from None
 
 
-def check_switch_target(policy: str, replayssm_on: bool) -> None:
-    """The speculation switch's plain steps do not commit ReplaySSM state: not with hybrid targets.
-    `policy`: "static" (no switch file), "dynamic", "plain" or "draft"."""
-    if policy in ("dynamic", "plain") and replayssm_on:
-        raise FlagError(f"{env.DSPINE_DYNAMIC.name} ({policy} switch) with --enable-linear-replayssm-spec: the "
-                        "speculation switch does not serve hybrid linear-attention targets (ReplaySSM verifies "
-                        f"statically). Fix: unset {env.DSPINE_DYNAMIC.name}")
+def check_switch_target(policy: str, hybrid: bool, prefix_snapshots: bool) -> None:
+    """The speculation switch's plain steps run SGLang's AR decode path, which advances a hybrid
+    target's recurrent state in place and prepares none of the prefix cache's mid-decode state
+    snapshots: with a hybrid target (`hybrid`: --enable-linear-replayssm-spec given) they need a
+    prefix cache that takes none (`prefix_snapshots` False: --mamba-radix-cache-strategy no_buffer or
+    --disable-radix-cache). The worker checks the live pool at start-up too
+    (`dspine.sglang.mamba_pool.plain_step_refusal`). `policy`: "static", "dynamic", "plain" or "draft"."""
+    if policy in ("dynamic", "plain") and hybrid and prefix_snapshots:
+        raise FlagError(f"{env.DSPINE_DYNAMIC.name} ({policy} switch) with a hybrid target: the prefix cache may "
+                        "snapshot recurrent states during decoding (--mamba-radix-cache-strategy auto or "
+                        "extra_buffer), which the plain step does not prepare. Fix: add "
+                        "--mamba-radix-cache-strategy no_buffer (or unset the switch file)")
 
 
 def check_plain_tokens(switch: SwitchConfig | ForcedSwitch | None, num_draft_tokens: int) -> None:

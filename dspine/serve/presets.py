@@ -268,7 +268,10 @@ def validate_flags(flags: dict[str, list[str]], environ: dict[str, str]) -> tupl
           num_draft_tokens, environ.get(RAGGED_VERIFY_ENV))
     try:
         switch = resolve_step_switch(environ)
-        check_switch_target("static" if switch is None else switch.policy, "--enable-linear-replayssm-spec" in flags)
+        snapshots = ("--disable-radix-cache" not in flags
+                     and single_value(flags, "--mamba-radix-cache-strategy") != "no_buffer")
+        check_switch_target("static" if switch is None else switch.policy, "--enable-linear-replayssm-spec" in flags,
+                            snapshots)
         check_plain_tokens(switch, num_draft_tokens)
     except FlagError as e:
         errors.append(str(e))

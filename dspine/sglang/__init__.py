@@ -8,6 +8,7 @@
 - `draft_weights`: config checks and strict weight loading for `DSpineDraftModel`;
 - `compat`: the version shims between the SGLang versions;
 - `plain_step`: the worker's plain decoding step (K target tokens per request, no draft);
+- `mamba_pool`: what a hybrid target's recurrent-state pool allows (plain steps) and costs (verify scratch);
 - `step_clock`: decode-step periods per step kind, prefills excluded (the switch's tables);
 - `step_profile`: a diagnostic, where a scheduler's decode step spends host time.
 

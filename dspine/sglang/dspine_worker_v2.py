@@ -37,7 +37,8 @@ injection); this worker only overrides the smallest seams around it:
   step's stream and handed to the switch once an event says they landed (no sync), updating each
   request's expected acceptance. A forced switch file (`{"force": "plain", "plain_tokens": K}` or
   `{"force": "draft"}`) makes every step one kind (K-token plain steps: to measure the plain-step table). Not with
-  grammar-constrained batches (they draft) nor hybrid ReplaySSM targets (refused at start).
+  grammar-constrained batches (they draft); hybrid targets only where the target's pool allows it
+  (`mamba_pool.plain_step_refusal`, checked at start).
 - Copy candidates (`dspine_config.copy_candidates`): a `SlotTokenHistory` keeps
   every request's tokens on the device, written at prefill (the last window of the prompt, one
   host-to-device copy per prefill batch) and after every decode step (the committed tokens, on the
@@ -72,11 +73,12 @@ from dspine.dynamic.switch import ServingSwitch, SwitchConfig
 from dspine.sglang import compat, step_clock
 from dspine.sglang.draft_model import DSpineDraftModel
 from dspine.sglang.flag_check import check_served_flags
+from dspine.sglang import mamba_pool
 from dspine.sglang.plain_step import PlainStep, tag_verify_tokens
 from dspine.sglang.round_graph import RoundGraphs, build_round_graphs, has_penalties
 from dspine.sglang.token_history import SlotTokenHistory
 from dspine.sglang.warmup import warm_sampling_kernels
-from dspine.serve.flags import FlagError, check_switch_target, resolve_step_switch
+from dspine.serve.flags import FlagError, resolve_step_switch
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +205,12 @@ class DSpineWorkerV2(DFlashWorkerV2):
         self._pending_confidence = collections.deque()   # (rids, host logits [bs, N-1], event) per drafted step
         self._record_steps = step_clock.recording()
         self._attach_target_to_draft()
+        scratch = mamba_pool.verify_scratch(self.target_worker, int(self.block_size))
+        if scratch is not None:
+            logger.info("DSPINE ReplaySSM verify scratch per request: %d bytes (ring %d + conv windows %d, as "
+                        "allocated) against %d bytes of per-token snapshots (SSM states %d + conv windows %d): "
+                        "%.1fx smaller.", scratch.replayssm, scratch.replay_records, scratch.replay_conv,
+                        scratch.snapshot, scratch.snapshot_state, scratch.snapshot_conv, scratch.ratio)
 
     def _attach_target_to_draft(self) -> None:
         model = self.draft_model
@@ -267,7 +275,9 @@ class DSpineWorkerV2(DFlashWorkerV2):
                         seconds)
         self._round_graphs = build_round_graphs(self, history=self._history)
         if self._step_policy in ("dynamic", "plain"):
-            check_switch_target(self._step_policy, self._need_mamba_verify_commit)
+            refusal = mamba_pool.plain_step_refusal(self.target_worker)
+            if refusal is not None:
+                raise FlagError(refusal)
             self._plain_step = PlainStep(self, self._plain_tokens)
             logger.info("DSPINE speculation switch: %s; %d target tokens per plain step.",
                         "per-step decisions from " + str(env.DSPINE_DYNAMIC.get())

@@ -32,8 +32,10 @@ pays that per-step work once per K tokens, like a drafting step whose proposals 
 accepted; each chained decode still costs about an AR step's time (K = 8 measured ~1.1 ms each).
 Tokens past a request's end (stop token, max_tokens) are dropped by SGLang's result processing, as past-the-end accepted drafts are: at most K-1 wasted target forwards per request.
 
-The worker drafts for grammar-constrained batches, batches with penalties (their state follows the
-speculative path) and hybrid (ReplaySSM) targets.
+The worker drafts for grammar-constrained batches and batches with penalties (their state follows
+the speculative path). A hybrid target's recurrent state is read and advanced in place by the AR
+decode path, which is exact where every commit leaves that state current and the prefix cache
+takes no decode snapshots (`dspine.sglang.mamba_pool.plain_step_refusal`, checked at start).
 """
 
 from __future__ import annotations
