@@ -32,6 +32,7 @@ class Stub(JsonHandler):
         n = body["max_tokens"]
         kind = "throughput" if body.get("return_meta_info") else "profile" if n > 1 else "count"
         self.server.kinds.append(kind)
+        self.server.temperatures.add(body["temperature"])
         self.server.sent.setdefault(kind, []).append(body["messages"][0]["content"])
         verify = VERIFY[self.server.name]
         meta = {"completion_tokens": n, **({"spec_verify_ct": verify} if verify and n > 1 else {})}
@@ -55,6 +56,7 @@ def servers():
     for name in VERIFY:
         server = start_server(Stub)
         server.name, server.kinds, server.order, server.sent, server.prefills = name, [], order, {}, []
+        server.temperatures = set()
         live[name] = server
     yield live
     for server in live.values():
@@ -62,11 +64,12 @@ def servers():
         server.server_close()
 
 
-def write_phases(folder, ms, host_parts, wait=0.0):
-    """Step-profile records for phases 1 (c=1) and 2 (c=16), as the server's profiler writes them."""
-    folder.mkdir(parents=True)
-    for phase, scale in ((1, 1.0), (2, 2.0)):
-        record = {"mean_batch_size": 1.0 if phase == 1 else 15.5, "ms_per_step": ms * scale,
+def write_phases(folder, ms, host_parts, wait=0.0, first=1):
+    """Step-profile records for phases `first` (c=1) and `first` + 1 (c=16), as the server's profiler
+    writes them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for phase, scale in ((first, 1.0), (first + 1, 2.0)):
+        record = {"mean_batch_size": 1.0 if phase == first else 15.5, "ms_per_step": ms * scale,
                   "ms_per_step_in": {k: v * scale for k, v in host_parts.items()}, "ms_per_step_waiting": wait * scale}
         (folder / f"123-phase{phase}.json").write_text(json.dumps(record))
 
@@ -127,6 +130,22 @@ def test_a_rerun_keeps_other_shapes_and_sections(servers, tmp_path, prompts_dir)
     results = json.loads((out / "round_cost_h200.json").read_text())
     assert other in results["runs"] and results["soak"] == {"config": "DSPINE"}
     assert len(results["runs"]) == 1 + 2 * len(VERIFY)
+
+
+def test_a_sampled_rerun_is_kept_beside_the_greedy_rows(servers, tmp_path, prompts_dir):
+    for name in VERIFY:
+        write_phases(tmp_path / "prof" / name, 2.0, {"run_batch": 1.0})
+    assert run(servers, tmp_path, prompts_dir) == 0
+    assert all(server.temperatures == {0.0} for server in servers.values())
+    for name in VERIFY:                  # the servers' profilers go on with phases 3 and 4
+        write_phases(tmp_path / "prof" / name, 3.0, {"run_batch": 1.0}, first=3)
+        servers[name].temperatures.clear()
+    assert run(servers, tmp_path, prompts_dir, "--temperature", "1", "--profile-from-phase", "3") == 0
+    assert all(server.temperatures == {1.0} for server in servers.values())
+    results = json.loads((tmp_path / "out" / "round_cost_h200.json").read_text())
+    rows = {(r["config"], r["concurrency"], r["temperature"]): r["ms_per_step"] for r in results["runs"]}
+    assert len(rows) == len(results["runs"]) == 2 * 2 * len(VERIFY)
+    assert rows[("DSPINE", 1, 0.0)] == pytest.approx(2.0) and rows[("DSPINE", 1, 1.0)] == pytest.approx(3.0)
 
 
 def test_a_phase_the_server_never_wrote_is_named(servers, tmp_path, prompts_dir, capsys):

@@ -84,7 +84,7 @@ RESULTS_SCHEMA = {"device": str, "date": str, "command": str, "sglang": str, "ru
 
 def profile_record(profile_dir: Path, phase: int) -> dict:
     """The step profiler's record of `phase` (1-based, the server's phase files in order)."""
-    files = sorted(profile_dir.glob("*-phase*.json"))
+    files = sorted(profile_dir.glob("*-phase*.json"), key=lambda f: int(f.stem.rsplit("phase", 1)[1]))
     if len(files) < phase:
         raise BenchError(f"{profile_dir}: {len(files)} phase records, phase {phase} wanted (was the server "
                          "started with DSPINE_STEP_PROFILE set to this folder, and enough phases?)")
@@ -130,9 +130,9 @@ def profile_config(name: str, base: str, profile_dir: Path | None, args, bodies:
     given a folder; see the module docstring)."""
     tokens = prompt_tokens(base, bodies[: min(8, len(bodies))], args.request_timeout)
     runs = [{"config": name, "shape": args.shape, "workload": args.workload, "concurrency": c,
-             "prompt_tokens": tokens} for c in args.concurrency]
+             "temperature": args.temperature, "prompt_tokens": tokens} for c in args.concurrency]
     if profile_dir is not None:
-        for level, row in enumerate(runs, 1):
+        for level, row in enumerate(runs, args.profile_from_phase):
             c = row["concurrency"]
             load = drive(base, profile_dir, bodies, c, want_files=level, timeout_s=args.profile_timeout)
             if not load["phase_done"]:
@@ -206,13 +206,13 @@ def table(results: dict) -> str:
     length."""
     ar = {(r["shape"], r["workload"], r["concurrency"]): r["ms_per_step"] for r in results["runs"]
           if r["config"] == "AR" and "ms_per_step" in r}
-    lines = [f"{'config':<13}{'shape':<15}{'workload':<18}{'c':>4}{'ms/step':>10}{'/ AR':>8}{'host ms':>10}"
+    lines = [f"{'config':<15}{'shape':<15}{'workload':<18}{'c':>4}{'ms/step':>10}{'/ AR':>8}{'host ms':>10}"
              f"{'tok/s':>10}{'accept':>8}"]
     for r in sorted(results["runs"], key=lambda r: (r["shape"], r["workload"], r["concurrency"],
                                                     config_order(r["config"]))):
         ms = r.get("ms_per_step")
         ref = ar.get((r["shape"], r["workload"], r["concurrency"]))
-        lines.append(f"{r['config']:<13}{r['shape']:<15}{r['workload']:<18}{r['concurrency']:>4}"
+        lines.append(f"{r['config']:<15}{r['shape']:<15}{r['workload']:<18}{r['concurrency']:>4}"
                      f"{'-' if ms is None else f'{ms:.3f}':>10}{f'{ms / ref:.2f}x' if ms and ref else '-':>8}"
                      f"{'-' if r.get('host_ms_per_step') is None else format(r['host_ms_per_step'], '.3f'):>10}"
                      f"{r['output_tok_per_s']:>10.1f}{r['accept_len']:>8.2f}")
@@ -281,8 +281,8 @@ def plot(results: dict, out_dir: Path, stem: str) -> Path | None:
 
 def merge(old: dict | None, new_runs: list[dict], header: dict) -> dict:
     """`header` and `new_runs`, plus the old file's runs of other (config, shape, workload,
-    concurrency) keys and its soak / parity sections."""
-    key = lambda r: (r["config"], r["shape"], r["workload"], r["concurrency"])  # noqa: E731
+    concurrency, temperature) keys and its soak / parity sections."""
+    key = lambda r: (r["config"], r["shape"], r["workload"], r["concurrency"], r.get("temperature", 0.0))  # noqa: E731
     fresh = {key(r) for r in new_runs}
     kept = [r for r in (old or {}).get("runs", []) if key(r) not in fresh]
     merged = {**{k: v for k, v in (old or {}).items() if k not in header and k != "runs"}, **header,
@@ -310,9 +310,14 @@ def parse_args(argv):
     p.add_argument("--prompts", type=int, default=32, help="requests per throughput level (at least c)")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (default 0: greedy); rows record it")
     p.add_argument("--served-model", default="default")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--profile-timeout", type=float, default=120.0, help="seconds per step-profile phase")
+    p.add_argument("--profile-from-phase", type=int, default=1, metavar="K",
+                   help="the first step-profile phase this run reads (default 1; a server an earlier run "
+                        "profiled has written phases 1..K-1 already)")
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--results-name", default=RESULTS_NAME)
     p.add_argument("--repeats", type=int, default=1, help="throughput repeats, configs interleaved (default 1)")
@@ -368,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{n} wanted (levels x repeats x --prompts + {PROFILE_POOL}); lower --prompts or --repeats",
                   file=sys.stderr)
             return 1
-    bodies = [chat_body(p, args.served_model, args.max_tokens) for p in prompts]
+    bodies = [chat_body(p, args.served_model, args.max_tokens, temperature=args.temperature) for p in prompts]
     profile_bodies, level_bodies = bodies[-PROFILE_POOL:], bodies[:-PROFILE_POOL]
     rows: dict[str, list[dict]] = {}
     info, sections = {}, {}
