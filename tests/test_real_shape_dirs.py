@@ -38,6 +38,8 @@ def test_folders_hold_the_published_target_and_drafters(shape, tokenizer_dir, tm
         p.hidden, p.layers, p.heads, p.kv_heads, p.head_dim, p.intermediate, p.vocab)
     if shape == "qwen3.8-27b":
         assert [i for i, t in enumerate(target.layer_types) if t == "full_attention"] == list(range(3, 64, 4))
+        # SGLang 0.5.17's Qwen3.5 model reads the interleave as `full_attention_interval`
+        assert [i for i in range(64) if (i + 1) % target.full_attention_interval == 0] == list(range(3, 64, 4))
     assert (root / "target" / "tokenizer.json").is_file() and (root / "target" / "tokenizer_config.json").is_file()
 
     dspine = json.loads((root / "dspine" / "config.json").read_text())

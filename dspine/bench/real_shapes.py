@@ -48,6 +48,9 @@ def target_config(shape: str) -> dict:
     """config.json of the target of `shape`: the known shape's fields and its architecture."""
     config = random_target_config(f"random:{shape}").to_dict()
     config["architectures"] = [ARCHITECTURES[config["model_type"]]]
+    if "layer_types" in config and "linear_attention" in config["layer_types"]:
+        # SGLang 0.5.17's Qwen3.5 layout reads the interleave as `full_attention_interval`, not `layer_types`
+        config["full_attention_interval"] = config["layer_types"].index("full_attention") + 1
     config["torch_dtype"] = config["dtype"] = "bfloat16"
     return config
 
