@@ -138,8 +138,9 @@ DSPINE_SERVE_FLAGS = _declare("DSPINE_SERVE_FLAGS", None, "Set by `dspine serve`
 DSPINE_RECORD_CONFIDENCE = _bool_var("DSPINE_RECORD_CONFIDENCE", "Record drafter confidence in /server_info.")
 DSPINE_ROUND_GRAPH = _declare("DSPINE_ROUND_GRAPH", "1", "Captured rounds: 1 greedy, all greedy and sampled, 0 off.",
                               "0, 1 or all", _choice("0", "1", "all"))
-DSPINE_VERIFY_SPLITKV = _bool_var("DSPINE_VERIFY_SPLITKV", "Verify and draft block attention through DSpine's "
-                                  "split-KV kernel (DSPINE servers, triton attention).")
+DSPINE_VERIFY_SPLITKV = _declare("DSPINE_VERIFY_SPLITKV", True, "Verify and draft block attention through DSpine's "
+                                 "split-KV kernel (DSPINE servers, triton attention); 0: SGLang's prefill kernel.",
+                                 "0 or 1", _bool)
 DSPINE_ROUND_TIMING = _declare("DSPINE_ROUND_TIMING", 0, "Diagnostic: log device ms per captured-round stage "
                                "every N rounds (0: off).", "an integer >= 0", _int_at_least(0))
 SGLANG_RAGGED_VERIFY_MODE = _declare("SGLANG_RAGGED_VERIFY_MODE", "static", "SGLang's verify-width mode.",

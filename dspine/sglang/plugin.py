@@ -17,8 +17,8 @@ detokenizer). It registers:
   SGLang's `Scheduler` (`dspine.sglang.step_profile`, a diagnostic; AR servers load it too);
 - with `SGLANG_RECORD_STEP_TIME=1` only: the DSPINE worker's decode-step clock in `/server_info`
   (`dspine.sglang.step_clock`);
-- with `DSPINE_VERIFY_SPLITKV=1` only: a `HookRegistry` hook that puts the target's verify attention
-  on SGLang's split-KV verify kernel (`dspine.sglang.verify_splitkv`).
+- unless `DSPINE_VERIFY_SPLITKV=0`: a `HookRegistry` hook that puts a DSPINE server's verify and
+  draft attention on DSpine's split-KV block kernel (`dspine.sglang.verify_splitkv`).
 
 An SGLang outside the tested range (`TESTED_SGLANG`, release numbers: post-releases count as their
 release) gets one warning naming both, then registration proceeds.

@@ -29,16 +29,19 @@ def clean_hooks():
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     before = list(HookRegistry._hooks.get(verify_splitkv.HOOK_TARGET, []))
+    # SGLang's plugin loading in an earlier test may have registered it already (it is on by default)
+    HookRegistry._hooks[verify_splitkv.HOOK_TARGET] = [
+        entry for entry in before if entry[1] is not verify_splitkv.enable_split_kv_verify]
     yield HookRegistry
     HookRegistry._hooks[verify_splitkv.HOOK_TARGET] = before
 
 
-def test_the_hook_is_registered_once_and_only_when_asked(clean_hooks):
+def test_the_hook_is_registered_once_unless_turned_off(clean_hooks):
     def ours():
         return [h for _, h, _ in clean_hooks._hooks.get(verify_splitkv.HOOK_TARGET, [])
                 if h is verify_splitkv.enable_split_kv_verify]
-    assert verify_splitkv.install_from_environment({}) is False and ours() == []
-    assert verify_splitkv.install_from_environment({"DSPINE_VERIFY_SPLITKV": "1"}) is True
+    assert verify_splitkv.install_from_environment({"DSPINE_VERIFY_SPLITKV": "0"}) is False and ours() == []
+    assert verify_splitkv.install_from_environment({}) is True                      # on by default
     assert verify_splitkv.install_from_environment({"DSPINE_VERIFY_SPLITKV": "1"}) is True
     assert ours() == [verify_splitkv.enable_split_kv_verify]
 
