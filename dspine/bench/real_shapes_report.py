@@ -1,0 +1,187 @@
+"""`real_shapes_h200.json`: the published presets served at their shapes, from one host's run.
+
+The run (see `benchmarks/results/README.md`) leaves, per preset, the server's log and a soak file
+(`scripts/soak.py`), plus one round-cost file (`scripts/bench_round_cost.py --results-name
+real_shapes_rounds`, greedy then `--temperature 1`) holding DSPINE's rounds and AR's steps of each
+shape. This report joins them:
+
+  python scripts/report_real_shapes.py --rounds DIR/real_shapes_rounds.json \\
+      --preset qwen3.8-27b=DIR/soak_P27.json,DIR/P27.log --preset qwen3-8b=DIR/soak_P8.json,DIR/P8.log \\
+      --dynamic-switch-hybrid true            # or the measured reason it cannot run
+
+- `presets[i].rounds`: per (concurrency, temperature) DSPINE's ms per round (`ms_per_round`, its
+  step profile: one scheduler step is one round) and AR's ms per step of the same target
+  (`ms_per_step`); a DSPINE row without its AR row is an error that names the missing run;
+- `presets[i]`: the soak's minutes, requests, errors, tail and health, the memory SGLang logged at
+  start-up (weights, KV, mamba state, ReplaySSM ring; GB) and how many preset flags the worker
+  logged in effect;
+- `replayssm_scratch`: the DSPINE worker's start-up line of the hybrid preset (ReplaySSM's verify
+  scratch per request as allocated, against per-token snapshots at the pool's shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from dspine.utils.plot import pyplot, save_figure
+from dspine.bench.results import DEFAULT_OUT_DIR, BenchError, check_schema, command_line, write_results
+
+RESULTS_NAME = "real_shapes_h200"
+ROUND_SCHEMA = {"concurrency": int, "temperature": float, "ms_per_step": float, "ms_per_round": float}
+RESULTS_SCHEMA = {"device": str, "date": str, "command": str, "sglang": str,
+                  "presets": [{"preset": str, "served_minutes": float, "requests": int, "errors": int,
+                               "rounds": [ROUND_SCHEMA]}],
+                  "replayssm_scratch": {"snapshot_bytes": int, "replayssm_bytes": int}}
+SCRATCH_LINE = re.compile(r"DSPINE ReplaySSM verify scratch per request: (\d+) bytes .*? against (\d+) bytes "
+                          r"of per-token snapshots")
+MEMORY_LINES = {   # log pattern -> (key, how the numbers combine); SGLang 0.5.17's start-up lines
+    re.compile(r"Load weight end\..*type=(\w+),.*mem usage=([\d.]+) GB"): "weights",
+    re.compile(r"KV Cache is allocated\..*K size: ([\d.]+) GB, V size: ([\d.]+) GB"): "kv",
+    re.compile(r"Mamba Cache is allocated\..*conv_state size: ([\d.]+)GB, ssm_state size: ([\d.]+)GB"): "mamba_state",
+    re.compile(r"GDN ReplaySSM ring buffers allocated .*?: (.*)$"): "replayssm_ring",
+}
+SERVE_FLAG_LINE = "DSPINE serve flag "
+
+
+def memory_gb(log: str) -> dict:
+    """GB per part from a server log: weights per model class, KV pools summed (target and draft),
+    the mamba conv + SSM states, the ReplaySSM ring tensors summed."""
+    out: dict = {}
+    for line in log.splitlines():
+        for pattern, key in MEMORY_LINES.items():
+            match = pattern.search(line)
+            if match is None:
+                continue
+            if key == "weights":
+                out.setdefault("weights", {})[match.group(1)] = float(match.group(2))
+            elif key == "replayssm_ring":
+                out[key] = round(sum(float(x) for x in re.findall(r"=([\d.]+)GB", match.group(1))), 3)
+            else:
+                out[key] = round(out.get(key, 0.0) + sum(float(x) for x in match.groups()), 3)
+    return out
+
+
+def scratch_bytes(log: str) -> dict | None:
+    """The worker's ReplaySSM scratch line, as {"replayssm_bytes", "snapshot_bytes", "ratio"}."""
+    match = SCRATCH_LINE.search(log)
+    if match is None:
+        return None
+    replay, snapshot = int(match.group(1)), int(match.group(2))
+    return {"replayssm_bytes": replay, "snapshot_bytes": snapshot, "ratio": round(snapshot / replay, 2)}
+
+
+def preset_rounds(runs: list[dict], shape: str) -> list[dict]:
+    """DSPINE's rounds of `shape` with AR's step at the same concurrency and temperature."""
+    key = lambda r: (r["concurrency"], float(r.get("temperature", 0.0)))  # noqa: E731
+    ar = {key(r): r for r in runs if r["shape"] == shape and r["config"] == "AR" and "ms_per_step" in r}
+    rows = []
+    for r in sorted((r for r in runs if r["shape"] == shape and r["config"] == "DSPINE" and "ms_per_step" in r),
+                    key=key):
+        step = ar.get(key(r))
+        if step is None:
+            raise BenchError(f"{shape}: DSPINE at c={r['concurrency']}, T={key(r)[1]:g} has no AR step beside it. "
+                             "Fix: run scripts/bench_round_cost.py for that shape with --url AR=... too")
+        rows.append({"concurrency": r["concurrency"], "temperature": key(r)[1], "ms_per_step": step["ms_per_step"],
+                     "ms_per_round": r["ms_per_step"], "round_over_step": round(r["ms_per_step"] / step["ms_per_step"], 3),
+                     "accept_len": r["accept_len"]})
+    if not rows:
+        raise BenchError(f"{shape}: no DSPINE rounds in the rounds file. Fix: run scripts/bench_round_cost.py "
+                         f"--shape {shape} --url DSPINE=... --profile-dir DSPINE=...")
+    return rows
+
+
+def report(rounds: dict, presets: dict[str, tuple[dict, str]], dynamic_switch_hybrid, command: str) -> dict:
+    """The results object (see the module docstring); `presets`: name -> (soak results, server log)."""
+    entries, scratch = [], None
+    for name, (soak, log) in presets.items():
+        entries.append({"preset": name, "served_minutes": float(soak["minutes"]), "requests": int(soak["requests"]),
+                        "errors": int(soak["errors"]), "max_latency_over_p99": soak["max_latency_over_p99"],
+                        "health_non_200": soak["health_non_200"], "soak_passed": bool(soak.get("passed")),
+                        "flags_logged_in_effect": log.count(SERVE_FLAG_LINE), "memory_gb": memory_gb(log),
+                        "rounds": preset_rounds(rounds["runs"], name)})
+        found = scratch_bytes(log)
+        if found is not None:
+            scratch = {"preset": name, **found}
+    if scratch is None:
+        raise BenchError("no server log holds the DSPINE worker's ReplaySSM scratch line. Fix: pass the hybrid "
+                         "preset's log (a DSPINE server started with --enable-linear-replayssm-spec)")
+    results = {"device": rounds["device"], "date": rounds["date"], "command": command, "sglang": rounds["sglang"],
+               "rounds_command": rounds["command"], "presets": entries, "replayssm_scratch": scratch,
+               "dynamic_switch_hybrid": dynamic_switch_hybrid}
+    check_schema(results, RESULTS_SCHEMA)
+    return results
+
+
+def plot(results: dict, out_dir: Path) -> Path | None:
+    """One panel per preset: DSPINE's ms per round and AR's ms per step against concurrency, greedy
+    and T=1."""
+    plt = pyplot("install matplotlib to draw it")
+    if plt is None:
+        return None
+    presets = results["presets"]
+    fig, axes = plt.subplots(1, len(presets), figsize=(5.2 * len(presets), 3.6), squeeze=False)
+    for ax, preset in zip(axes[0], presets):
+        for temperature, style in ((0.0, "-"), (1.0, "--")):
+            rows = [r for r in preset["rounds"] if r["temperature"] == temperature]
+            if not rows:
+                continue
+            xs = [r["concurrency"] for r in rows]
+            ax.plot(xs, [r["ms_per_round"] for r in rows], style, marker="o", label=f"DSPINE round, T={temperature:g}")
+            ax.plot(xs, [r["ms_per_step"] for r in rows], style, marker="s", color="grey",
+                    label=f"AR step, T={temperature:g}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("ms")
+        ax.set_title(f"{preset['preset']}: {preset['requests']} soak requests, {preset['errors']} errors", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Published presets at their shapes, dummy weights ({results['device']}, SGLang {results['sglang']})")
+    return save_figure(fig, out_dir / f"{RESULTS_NAME}.png", dpi=110)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="Join a preset run's round-cost file, soak files and server logs into "
+                                            "real_shapes_h200.json (see the module docstring).")
+    p.add_argument("--rounds", type=Path, required=True, help="bench_round_cost's results file of the run")
+    p.add_argument("--preset", action="append", required=True, metavar="NAME=SOAK_JSON,SERVER_LOG",
+                   help="per preset: its soak file and its server's log")
+    p.add_argument("--dynamic-switch-hybrid", required=True,
+                   help="'true' when the speculation switch served the hybrid target exactly, else the measured reason")
+    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    args = p.parse_args(argv)
+    args.presets = {}
+    for item in args.preset:
+        name, _, files = item.partition("=")
+        soak, _, log = files.partition(",")
+        if not (name and soak and log):
+            p.error(f"--preset {item}: expected NAME=SOAK_JSON,SERVER_LOG")
+        args.presets[name] = (Path(soak), Path(log))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        presets = {name: (json.loads(soak.read_text()), log.read_text(errors="replace"))
+                   for name, (soak, log) in args.presets.items()}
+        switch = True if args.dynamic_switch_hybrid.lower() == "true" else args.dynamic_switch_hybrid
+        results = report(json.loads(args.rounds.read_text()), presets, switch, command_line(argv))
+    except (OSError, ValueError, KeyError, BenchError) as exc:
+        print(f"real shapes: {exc}", file=sys.stderr)
+        return 1
+    path = write_results(results, args.out_dir, RESULTS_NAME)
+    for preset in results["presets"]:
+        print(f"{preset['preset']}: {preset['served_minutes']:.1f} min, {preset['requests']} requests, "
+              f"{preset['errors']} errors, memory {preset['memory_gb']}")
+        for r in preset["rounds"]:
+            print(f"  c={r['concurrency']:<3} T={r['temperature']:g}  round {r['ms_per_round']:.2f} ms  "
+                  f"AR step {r['ms_per_step']:.2f} ms  ({r['round_over_step']:.2f}x)")
+    s = results["replayssm_scratch"]
+    print(f"ReplaySSM scratch per request ({s['preset']}): {s['replayssm_bytes']} against {s['snapshot_bytes']} "
+          f"bytes ({s['ratio']}x smaller); dynamic switch with the hybrid target: {results['dynamic_switch_hybrid']}")
+    plot(results, args.out_dir)
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,99 @@
+"""`dspine.bench.real_shapes_report`: rounds, soaks and start-up logs joined into real_shapes_h200.json."""
+
+import json
+
+import pytest
+
+from dspine.bench import real_shapes_report as rep
+from dspine.bench.results import BenchError
+
+# SGLang 0.5.17's start-up lines (shortened) and the DSPINE worker's
+LOG_27B = """\
+[2026-12-04 10:00:01] DSPINE serve flag --speculative-algorithm DSPINE: speculative_algorithm = 'DSPINE'
+[2026-12-04 10:00:01] DSPINE serve flag --enable-linear-replayssm-spec: enable_linear_replayssm_spec = True
+[2026-12-04 10:00:02] Load weight end. elapsed=0.15 s, type=Qwen3_5ForCausalLM, avail mem=80.1 GB, mem usage=53.80 GB.
+[2026-12-04 10:00:03] Load weight end. elapsed=0.01 s, type=DSpineDraftModel, avail mem=76.2 GB, mem usage=3.90 GB.
+[2026-12-04 10:00:04] Mamba Cache is allocated. max_mamba_cache_size: 66, conv_state size: 0.12GB, ssm_state size: 9.98GB intermediate_ssm_state_cache size: 0.00GB intermediate_conv_window_cache size: 0.31GB
+[2026-12-04 10:00:04] GDN ReplaySSM ring buffers allocated (record_len=16, fold=True): d=0.000GB, k=0.000GB, g=0.001GB rawv=0.124GB, rawk=0.041GB, beta=0.001GB
+[2026-12-04 10:00:05] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 100000, K size: 3.05 GB, V size: 3.05 GB
+[2026-12-04 10:00:05] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 100000, K size: 1.00 GB, V size: 1.00 GB
+[2026-12-04 10:00:06] DSPINE ReplaySSM verify scratch per request: 7000000 bytes (ring 2500000 + conv windows 4500000, as allocated) against 158000000 bytes of per-token snapshots (SSM states 153500000 + conv windows 4500000): 22.6x smaller.
+"""
+LOG_8B = """\
+[2026-12-04 10:10:01] DSPINE serve flag --speculative-algorithm DSPINE: speculative_algorithm = 'DSPINE'
+[2026-12-04 10:10:02] Load weight end. elapsed=0.15 s, type=Qwen3ForCausalLM, avail mem=123.85 GB, mem usage=15.28 GB.
+[2026-12-04 10:10:05] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 331446, K size: 22.76 GB, V size: 22.76 GB
+"""
+
+
+def soak(minutes=10.02, requests=9000, errors=0):
+    return {"config": "P", "minutes": minutes, "requests": requests, "errors": errors, "max_latency_over_p99": 1.4,
+            "health_non_200": 0, "passed": errors == 0}
+
+
+def run(config, shape, c, t, ms):
+    return {"config": config, "shape": shape, "workload": "mix", "concurrency": c, "temperature": t,
+            "prompt_tokens": 120, "ms_per_step": ms, "host_ms_per_step": 1.0, "output_tok_per_s": 100.0,
+            "accept_len": 1.02 if config == "DSPINE" else 1.0}
+
+
+def rounds(drop_ar=None):
+    runs = []
+    for shape, step in (("qwen3.8-27b", 14.0), ("qwen3-8b", 6.0)):
+        for t in (0.0, 1.0):
+            for c in (1, 8, 32):
+                runs.append(run("DSPINE", shape, c, t, step * (1.2 + c / 32)))
+                if (shape, c, t) != drop_ar:
+                    runs.append(run("AR", shape, c, t, step * (1 + c / 64)))
+    return {"device": "NVIDIA H200", "date": "2026-12-04", "command": "bench_round_cost.py ...", "sglang": "0.5.17",
+            "runs": runs}
+
+
+def test_the_report_joins_rounds_soaks_memory_and_the_scratch_line():
+    out = rep.report(rounds(), {"qwen3.8-27b": (soak(), LOG_27B), "qwen3-8b": (soak(requests=20000), LOG_8B)},
+                     True, "report_real_shapes.py ...")
+    rep.check_schema(out, rep.RESULTS_SCHEMA)
+    big, small = out["presets"]
+    assert (big["preset"], big["requests"], small["requests"], big["errors"]) == ("qwen3.8-27b", 9000, 20000, 0)
+    assert big["flags_logged_in_effect"] == 2 and small["flags_logged_in_effect"] == 1
+    assert big["memory_gb"] == {"weights": {"Qwen3_5ForCausalLM": 53.8, "DSpineDraftModel": 3.9}, "mamba_state": 10.1,
+                                "replayssm_ring": 0.167, "kv": 8.1}
+    assert small["memory_gb"] == {"weights": {"Qwen3ForCausalLM": 15.28}, "kv": 45.52}
+    assert len(big["rounds"]) == 6 and {(r["concurrency"], r["temperature"]) for r in big["rounds"]} == {
+        (c, t) for c in (1, 8, 32) for t in (0.0, 1.0)}
+    first = big["rounds"][0]
+    assert (first["concurrency"], first["temperature"]) == (1, 0.0)
+    assert first["ms_per_round"] == pytest.approx(14.0 * (1.2 + 1 / 32))
+    assert first["ms_per_step"] == pytest.approx(14.0 * (1 + 1 / 64))          # AR's step of the same target
+    assert out["replayssm_scratch"] == {"preset": "qwen3.8-27b", "replayssm_bytes": 7000000,
+                                        "snapshot_bytes": 158000000, "ratio": 22.57}
+    assert out["dynamic_switch_hybrid"] is True
+
+
+def test_a_round_without_its_ar_step_names_the_missing_run():
+    with pytest.raises(BenchError, match=r"qwen3-8b: DSPINE at c=8, T=1 has no AR step beside it"):
+        rep.report(rounds(drop_ar=("qwen3-8b", 8, 1.0)), {"qwen3-8b": (soak(), LOG_8B), "qwen3.8-27b": (soak(), LOG_27B)},
+                   True, "x")
+
+
+def test_without_the_hybrid_presets_scratch_line_there_is_no_report():
+    with pytest.raises(BenchError, match="ReplaySSM scratch line"):
+        rep.report(rounds(), {"qwen3-8b": (soak(), LOG_8B)}, True, "x")
+
+
+def test_the_command_line_writes_the_file_and_a_plot(tmp_path, capsys):
+    (tmp_path / "rounds.json").write_text(json.dumps(rounds()))
+    for name, log, data in (("P27", LOG_27B, soak()), ("P8", LOG_8B, soak())):
+        (tmp_path / f"soak_{name}.json").write_text(json.dumps(data))
+        (tmp_path / f"{name}.log").write_text(log)
+    argv = ["--rounds", str(tmp_path / "rounds.json"), "--out-dir", str(tmp_path / "out"),
+            "--preset", f"qwen3.8-27b={tmp_path / 'soak_P27.json'},{tmp_path / 'P27.log'}",
+            "--preset", f"qwen3-8b={tmp_path / 'soak_P8.json'},{tmp_path / 'P8.log'}",
+            "--dynamic-switch-hybrid", "plain steps read a stale state"]
+    assert rep.main(argv) == 0
+    written = json.loads((tmp_path / "out" / "real_shapes_h200.json").read_text())
+    assert written["dynamic_switch_hybrid"] == "plain steps read a stale state"
+    assert "22.57x smaller" in capsys.readouterr().out
+    if rep.pyplot() is not None:
+        assert (tmp_path / "out" / "real_shapes_h200.png").stat().st_size > 10_000
+    assert rep.main(argv[:-2] + ["--dynamic-switch-hybrid", "true", "--rounds", str(tmp_path / "none.json")]) == 1
