@@ -44,7 +44,7 @@ def rounds(drop_ar=None):
             for c in (1, 8, 32):
                 runs.append(run("DSPINE", shape, c, t, step * (1.2 + c / 32)))
                 if (shape, c, t) != drop_ar:
-                    runs.append(run("AR", shape, c, t, step * (1 + c / 64)))
+                    runs.append(run("AR", shape, c, t, step * (1 + c / 64) * (1 + t / 10)))
     return {"device": "NVIDIA H200", "date": "2026-12-04", "command": "bench_round_cost.py ...", "sglang": "0.5.17",
             "runs": runs}
 
@@ -65,6 +65,8 @@ def test_the_report_joins_rounds_soaks_memory_and_the_scratch_line():
     assert (first["concurrency"], first["temperature"]) == (1, 0.0)
     assert first["ms_per_round"] == pytest.approx(14.0 * (1.2 + 1 / 32))
     assert first["ms_per_step"] == pytest.approx(14.0 * (1 + 1 / 64))          # AR's step of the same target
+    sampled = next(r for r in big["rounds"] if (r["concurrency"], r["temperature"]) == (32, 1.0))
+    assert sampled["ms_per_step"] == pytest.approx(14.0 * 1.5 * 1.1)            # ... at the same temperature
     assert out["replayssm_scratch"] == {"preset": "qwen3.8-27b", "replayssm_bytes": 7000000,
                                         "snapshot_bytes": 158000000, "ratio": 22.57}
     assert out["dynamic_switch_hybrid"] is True
