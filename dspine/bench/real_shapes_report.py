@@ -27,8 +27,8 @@ import re
 import sys
 from pathlib import Path
 
-from dspine.utils.plot import pyplot, save_figure
 from dspine.bench.results import DEFAULT_OUT_DIR, BenchError, check_schema, command_line, write_results
+from dspine.utils.plot import pyplot, save_figure
 
 RESULTS_NAME = "real_shapes_h200"
 ROUND_SCHEMA = {"concurrency": int, "temperature": float, "ms_per_step": float, "ms_per_round": float}
@@ -38,7 +38,7 @@ RESULTS_SCHEMA = {"device": str, "date": str, "command": str, "sglang": str,
                   "replayssm_scratch": {"snapshot_bytes": int, "replayssm_bytes": int}}
 SCRATCH_LINE = re.compile(r"DSPINE ReplaySSM verify scratch per request: (\d+) bytes .*? against (\d+) bytes "
                           r"of per-token snapshots")
-MEMORY_LINES = {   # log pattern -> (key, how the numbers combine); SGLang 0.5.17's start-up lines
+MEMORY_LINES = {   # SGLang 0.5.17's start-up lines -> the `memory_gb` key their sizes go to
     re.compile(r"Load weight end\..*type=(\w+),.*mem usage=([\d.]+) GB"): "weights",
     re.compile(r"KV Cache is allocated\..*K size: ([\d.]+) GB, V size: ([\d.]+) GB"): "kv",
     re.compile(r"Mamba Cache is allocated\..*conv_state size: ([\d.]+)GB, ssm_state size: ([\d.]+)GB"): "mamba_state",
