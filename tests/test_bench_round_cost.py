@@ -107,6 +107,8 @@ def test_runs_read_each_phase_and_the_table_divides_by_ar(servers, tmp_path, pro
     assert rows[("DSPINE", 16)]["ms_per_step"] == pytest.approx(3.6)             # phase 2 for the second level
     assert rows[("DSPINE", 1)]["host_ms_per_step"] == pytest.approx(1.2)         # the methods, less the wait
     assert rows[("DSPINE", 16)]["wait_ms_per_step"] == pytest.approx(1.0)
+    assert rows[("DSPINE", 16)]["ms_per_step_in"] == {"run_batch": 2.0, "get_next_batch_to_run": 0.4,
+                                                      "process_batch_result": 1.0}     # where the host time went
     assert rows[("AR", 16)]["host_ms_per_step"] == pytest.approx(1.8)
     assert rows[("DSPINE", 1)]["accept_len"] == pytest.approx(3.0) and rows[("AR", 1)]["accept_len"] == 1.0
     assert rows[("NGRAM", 1)]["accept_len"] == pytest.approx(2.0)

@@ -7,8 +7,8 @@ started with `DSPINE_STEP_PROFILE=DIR` (`--profile-dir NAME=DIR`, same machine) 
 1. Step profile: greedy chat requests at c in flight until the server's profiler has written the
    level's phase (`dspine.sglang.step_profile`): `ms_per_step` = server-side wall time per decode
    step (AR) or round (speculative), prefills excluded; `host_ms_per_step` = host time inside the
-   scheduler's methods per step (`ms_per_step_in`, summed) less its wait for the device
-   (`ms_per_step_waiting`, also reported: a step with a long wait is device-bound).
+   scheduler's methods per step (`ms_per_step_in`, summed; each method's share is kept in the row)
+   less its wait for the device (`wait_ms_per_step`: a step with a long wait is device-bound).
 2. Throughput: `--prompts` greedy chat requests (`--workload`: an evaluation set, the five-set mix,
    or `synthetic:N`, prompts of about N tokens of plain prose for context-length sweeps) at c in flight, non-streamed with meta_info: `output_tok_per_s` (completion tokens / wall
    time) and `accept_len` (completion tokens / verify steps; 1.0 for AR). With `--repeats R` the
@@ -37,8 +37,9 @@ the control for the captured round. The table puts each config's ms per step ove
 concurrency (T_round / T_step).
 
 Writes OUT_DIR/<results-name>.json and .png (`plot`; `--report-only` redraws both from the JSON): `{"device", "date", "command", "sglang", "runs": [{"config",
-"shape", "workload", "concurrency", "prompt_tokens", "ms_per_step", "host_ms_per_step",
-"output_tok_per_s", "accept_len", "wait_ms_per_step", "mean_batch_size"}]}`; runs of other shapes or configs already in
+"shape", "workload", "concurrency", "temperature", "prompt_tokens", "ms_per_step", "host_ms_per_step",
+"output_tok_per_s", "accept_len", "wait_ms_per_step", "ms_per_step_in", "mean_batch_size"}]}`; runs of other shapes,
+configs or temperatures already in
 the file are kept (one file gathers SmolLM2 and 8B-shaped servers), as are its `soak` and
 `deterministic_parity` sections.
 """
@@ -141,6 +142,7 @@ def profile_config(name: str, base: str, profile_dir: Path | None, args, bodies:
             record = profile_record(profile_dir, level)
             row.update(ms_per_step=float(record["ms_per_step"]), host_ms_per_step=host_ms(record),
                        wait_ms_per_step=float(record.get("ms_per_step_waiting", 0.0)),
+                       ms_per_step_in={name: round(float(ms), 4) for name, ms in record["ms_per_step_in"].items()},
                        mean_batch_size=float(record["mean_batch_size"]))
     return runs
 
