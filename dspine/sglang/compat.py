@@ -221,3 +221,24 @@ def request_fill_ids(req: Any) -> Any:
     earlier versions' `fill_ids`."""
     getter = getattr(req, "get_fill_ids", None)
     return getter() if callable(getter) else req.fill_ids
+
+
+def add_text_qwen3_5_capture(module: Any) -> None:
+    """Give 0.5.17's text-only Qwen3.5 hybrid wrapper the target-layer capture seam it lacks.
+
+    `module` is `sglang.srt.models.qwen3_5_text`. Its `Qwen3_5ForCausalLM` (what a text-only
+    Qwen3.5/3.6 hybrid checkpoint loads as; the MoE variant subclasses it) wraps a body that captures
+    the hidden states entering chosen layers and a forward that hands them to the logits processor,
+    but 0.5.17 has no `set_dflash_layers_to_capture` on the wrapper, so SGLang refuses DFLASH-family
+    drafters for it at start-up. 0.5.20 and later define it; then this does nothing. The added method
+    does what theirs does: target layer i is read at the input of body layer i + 1.
+    """
+    wrapper = getattr(module, "Qwen3_5ForCausalLM", None)
+    if wrapper is None or hasattr(wrapper, "set_dflash_layers_to_capture"):
+        return
+
+    def set_dflash_layers_to_capture(self, layer_ids: list[int]) -> None:
+        self.capture_aux_hidden_states = True
+        self.model.set_dflash_layers_to_capture([layer_id + 1 for layer_id in layer_ids])
+
+    wrapper.set_dflash_layers_to_capture = set_dflash_layers_to_capture

@@ -13,6 +13,8 @@ detokenizer). It registers:
 - the draft architecture `DSpineDraftModel` in SGLang's `ModelRegistry`, added the moment the
   registry module is imported (at once if it already is), so processes that never load a model
   import neither the registry nor DSpine's model class;
+- the target-layer capture seam on 0.5.17's text-only Qwen3.5 hybrid wrapper, added the same way when
+  `sglang.srt.models.qwen3_5_text` is imported (`compat.add_text_qwen3_5_capture`);
 - with `DSPINE_STEP_PROFILE=DIR` in the environment only: the decode-step profiler's wrappers on
   SGLang's `Scheduler` (`dspine.sglang.step_profile`, a diagnostic; AR servers load it too);
 - with `SGLANG_RECORD_STEP_TIME=1` only: the DSPINE worker's decode-step clock in `/server_info`
@@ -37,7 +39,7 @@ import re
 import sys
 from typing import Callable
 
-from dspine.sglang import step_clock, step_profile, verify_splitkv
+from dspine.sglang import compat, step_clock, step_profile, verify_splitkv
 from dspine.serve.flags import ALGORITHM
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ logger = logging.getLogger(__name__)
 DRAFT_ARCHITECTURE = "DSpineDraftModel"
 TESTED_SGLANG = ("0.5.17", "0.5.23")   # first and last SGLang release the tests cover
 _REGISTRY_MODULE = "sglang.srt.models.registry"
+_QWEN3_5_TEXT_MODULE = "sglang.srt.models.qwen3_5_text"
 _SPEC_HOOK_LOGGER = "sglang.srt.arg_groups.speculative_hook"
 
 
@@ -54,6 +57,7 @@ def register() -> None:
         warn_if_untested_sglang()
         _register_algorithm()
         _register_draft_architecture()
+        _after_import(_QWEN3_5_TEXT_MODULE, compat.add_text_qwen3_5_capture)
         _hide_misleading_window_warning()
         step_profile.install_from_environment()
         step_clock.install_from_environment()
@@ -129,11 +133,17 @@ def _worker_factory(server_args) -> type:
 
 
 def _register_draft_architecture() -> None:
-    module = sys.modules.get(_REGISTRY_MODULE)
+    _after_import(_REGISTRY_MODULE, _add_draft_architecture)
+
+
+def _after_import(fullname: str, callback: Callable) -> None:
+    """Run `callback(module)` on SGLang module `fullname` now if it is imported, else right after its
+    first import (at most one pending hook per module)."""
+    module = sys.modules.get(fullname)
     if module is not None:
-        _add_draft_architecture(module)
-    elif not any(isinstance(f, _AfterImport) and f.fullname == _REGISTRY_MODULE for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(_REGISTRY_MODULE, _add_draft_architecture))
+        callback(module)
+    elif not any(isinstance(f, _AfterImport) and f.fullname == fullname for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(fullname, callback))
 
 
 def _add_draft_architecture(registry_module) -> None:
