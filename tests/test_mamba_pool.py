@@ -36,7 +36,7 @@ def test_plain_steps_are_refused_only_where_the_live_state_can_lag_or_be_snapsho
     ring.replayssm_spec_fold, ring.replayssm_cache_base = False, torch.zeros(SLOTS, dtype=torch.int32)
     assert "circular-ring mode" in plain_step_refusal(worker(ring))          # 0.5.22 GDN: temporal lags
     refusal = plain_step_refusal(worker(fold_pool(), extra_buffer=True))
-    assert "Fix: add --mamba-radix-cache-strategy no_buffer" in refusal
+    assert "Fix: add --disable-radix-cache" in refusal
 
 
 def test_verify_scratch_is_read_from_the_allocated_tensors():

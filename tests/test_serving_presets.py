@@ -197,7 +197,7 @@ def test_the_speculation_switch_is_checked_before_launch(tmp_path):
     write_forced_switch(plain1, "plain")
     write_forced_switch(plain8, "plain", plain_tokens=8)
     hybrid = command("qwen3.8-27b", "--speculative-draft-model-path", draft, environ={"DSPINE_DYNAMIC": str(plain1)})
-    assert len(hybrid.errors) == 1 and "Fix: add --mamba-radix-cache-strategy no_buffer" in hybrid.errors[0]
+    assert len(hybrid.errors) == 1 and "Fix: add --disable-radix-cache" in hybrid.errors[0]
     for no_snapshots in (["--mamba-radix-cache-strategy", "no_buffer"], ["--disable-radix-cache"]):
         assert command("qwen3.8-27b", "--speculative-draft-model-path", draft, *no_snapshots,
                        environ={"DSPINE_DYNAMIC": str(plain1)}).errors == []

@@ -181,8 +181,9 @@ def check_switch_target(policy: str, hybrid: bool, prefix_snapshots: bool) -> No
     if policy in ("dynamic", "plain") and hybrid and prefix_snapshots:
         raise FlagError(f"{env.DSPINE_DYNAMIC.name} ({policy} switch) with a hybrid target: the prefix cache may "
                         "snapshot recurrent states during decoding (--mamba-radix-cache-strategy auto or "
-                        "extra_buffer), which the plain step does not prepare. Fix: add "
-                        "--mamba-radix-cache-strategy no_buffer (or unset the switch file)")
+                        "extra_buffer), which the plain step does not prepare. Fix: add --disable-radix-cache (overlap "
+                        "scheduling stays on), or --mamba-radix-cache-strategy no_buffer with "
+                        "--disable-overlap-schedule (SGLang's no_buffer needs it), or unset the switch file")
 
 
 def check_plain_tokens(switch: SwitchConfig | ForcedSwitch | None, num_draft_tokens: int) -> None:

@@ -48,7 +48,8 @@ def plain_step_refusal(target_worker: Any) -> str | None:
     if getattr(req_pool, "enable_mamba_extra_buffer", False):
         return (f"{switch}: the hybrid target's prefix cache snapshots recurrent states during decoding "
                 "(mamba extra_buffer), and the plain step does not prepare those snapshots. Fix: add "
-                "--mamba-radix-cache-strategy no_buffer (or unset the switch file)")
+                "--disable-radix-cache, or --mamba-radix-cache-strategy no_buffer with --disable-overlap-schedule, "
+                "or unset the switch file")
     return None
 
 
