@@ -63,3 +63,22 @@ def test_a_malformed_flag_map_is_named():
         with pytest.raises(env.EnvError, match="DSPINE_SERVE_FLAGS"):
             env.DSPINE_SERVE_FLAGS.get({"DSPINE_SERVE_FLAGS": raw})
     assert env.DSPINE_SERVE_FLAGS.get({"DSPINE_SERVE_FLAGS": json.dumps({"--a": []})}) == {"--a": []}
+
+
+@pytest.mark.parametrize("served, dp, ok", [(32, 1, True), (40, 1, True), (28, 1, False), (16, 2, True), (15, 2, False)])
+def test_running_cap_below_the_flag_is_a_failure(monkeypatch, served, dp, ok):
+    from dspine.sglang import compat
+
+    monkeypatch.setattr(compat, "dp_attention_enabled", lambda sa: dp > 1)
+    monkeypatch.setattr(compat, "server_args_value", lambda sa, name, default=None: dp if name == "dp_size" else default)
+    environ = {env.DSPINE_SERVE_FLAGS.name: json.dumps({"--max-running-requests": ["32"]})}
+    if ok:
+        flag_check.check_running_cap(object(), served, environ)
+    else:
+        with pytest.raises(flag_check.FlagsNotApplied, match=f"pools for {served} running requests.*--max-mamba-cache-size"):
+            flag_check.check_running_cap(object(), served, environ)
+
+
+def test_running_cap_unchecked_without_the_flag():
+    flag_check.check_running_cap(object(), 1, {env.DSPINE_SERVE_FLAGS.name: json.dumps({"--tp-size": ["1"]})})
+    flag_check.check_running_cap(object(), 1, {})

@@ -72,7 +72,7 @@ from dspine.model.checkpoint import check_target_compatible
 from dspine.dynamic.switch import ServingSwitch, SwitchConfig
 from dspine.sglang import compat, step_clock
 from dspine.sglang.draft_model import DSpineDraftModel
-from dspine.sglang.flag_check import check_served_flags
+from dspine.sglang.flag_check import check_running_cap, check_served_flags
 from dspine.sglang import mamba_pool
 from dspine.sglang.plain_step import PlainStep, tag_verify_tokens
 from dspine.sglang.round_graph import RoundGraphs, build_round_graphs, has_penalties
@@ -205,12 +205,6 @@ class DSpineWorkerV2(DFlashWorkerV2):
         self._pending_confidence = collections.deque()   # (rids, host logits [bs, N-1], event) per drafted step
         self._record_steps = step_clock.recording()
         self._attach_target_to_draft()
-        scratch = mamba_pool.verify_scratch(self.target_worker, int(self.block_size))
-        if scratch is not None:
-            logger.info("DSPINE ReplaySSM verify scratch per request: %d bytes (ring %d + conv windows %d, as "
-                        "allocated) against %d bytes of per-token snapshots (SSM states %d + conv windows %d): "
-                        "%.1fx smaller.", scratch.replayssm, scratch.replay_records, scratch.replay_conv,
-                        scratch.snapshot, scratch.snapshot_state, scratch.snapshot_conv, scratch.ratio)
 
     def _attach_target_to_draft(self) -> None:
         model = self.draft_model
@@ -268,6 +262,8 @@ class DSpineWorkerV2(DFlashWorkerV2):
     # ------------------------------------------------------------------------ speculation switch
     def init_cuda_graphs(self):
         self._attach_token_history()      # SGLang's request pool exists by now; the draft graph reads the history
+        self._log_verify_scratch()
+        check_running_cap(self.server_args, self.target_worker.model_runner.max_running_requests)
         super().init_cuda_graphs()
         if str(self.device).startswith("cuda"):
             seconds = warm_sampling_kernels(self.draft_model.dspine_config.vocab_size, self.device)
@@ -283,6 +279,17 @@ class DSpineWorkerV2(DFlashWorkerV2):
                         "per-step decisions from " + str(env.DSPINE_DYNAMIC.get())
                         if self._switch is not None else "every decode step plain (a forced plain switch file)",
                         self._plain_tokens)
+
+    def _log_verify_scratch(self) -> None:
+        """One start-up line for a hybrid target under ReplaySSM: its verify scratch per request against
+        per-token snapshots, from the pools as allocated (they exist from `init_cuda_graphs` on, not yet
+        in `__init__`)."""
+        scratch = mamba_pool.verify_scratch(self.target_worker, int(self.block_size))
+        if scratch is not None:
+            logger.info("DSPINE ReplaySSM verify scratch per request: %d bytes (ring %d + conv windows %d, as "
+                        "allocated) against %d bytes of per-token snapshots (SSM states %d + conv windows %d): "
+                        "%.1fx smaller.", scratch.replayssm, scratch.replay_records, scratch.replay_conv,
+                        scratch.snapshot, scratch.snapshot_state, scratch.snapshot_conv, scratch.ratio)
 
     def _drafts_this_step(self, batch) -> bool:
         """The switch's decision for this decode step (True: draft; static servers always draft)."""

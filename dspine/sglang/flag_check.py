@@ -5,7 +5,9 @@
 (`--tp-size` -> `tp_size`, SGLang's other spellings mapped first) as SGLang resolved it, logs one
 line per flag with its effect, and raises `FlagsNotApplied` naming every flag SGLang did not apply
 (a different value, or no such server argument in this SGLang): a preset flag that silently does
-nothing is a failure, not a default.
+nothing is a failure, not a default. Once SGLang has sized its pools, `check_running_cap` does the same
+for `--max-running-requests`, which SGLang lowers after the arguments are resolved when a hybrid
+target's recurrent-state pool holds fewer requests.
 
 How a wanted value matches: a bare flag (`--enable-x`, no values) or `true` wants True, `false`
 False; a number equals numerically (`0.75` = 0.75, `16` = 16); other strings compare
@@ -98,3 +100,23 @@ def check_served_flags(server_args, environ=None) -> list[FlagEffect]:
             + ". Fix: read SGLang's start-up log for why it changed them (an incompatible combination, a "
               "backend this build lacks), then change or drop them on the command line or in the preset.")
     return effects
+
+
+def check_running_cap(server_args, pool_max_running: int, environ=None) -> None:
+    """Raise `FlagsNotApplied` when `dspine serve` asked for `--max-running-requests N` and the model
+    runner, its pools sized, serves fewer (per attention-DP rank: N // dp_size)."""
+    flags = env.DSPINE_SERVE_FLAGS.get(environ) or {}
+    wanted = next((values for flag, values in flags.items()
+                   if server_arg_field(flag) == "max_running_requests"), None)
+    if not wanted:
+        return
+    from dspine.sglang import compat
+
+    ranks = int(compat.server_args_value(server_args, "dp_size", 1) or 1) if compat.dp_attention_enabled(server_args) else 1
+    per_rank = int(float(wanted[0])) // ranks
+    if int(pool_max_running) < per_rank:
+        raise FlagsNotApplied(
+            f"--max-running-requests {wanted[0]}: SGLang sized its pools for {pool_max_running} running requests "
+            f"per rank, not {per_rank} (a hybrid target's recurrent-state pool caps it; SGLang's log says by how "
+            "much). Fix: raise --mem-fraction-static, or give --max-mamba-cache-size (3 state slots per request "
+            "with the radix cache, 1 with --disable-radix-cache), or lower --max-running-requests.")
