@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import JsonHandler, start_server
 
 from dspine.bench import dynamic as bench
 from dspine.bench.results import BenchError, check_schema
+from dspine.dynamic.switch import ServingSwitch, SwitchConfig
 
 TOKENS = 6
 BLOCK = 16
@@ -144,3 +146,36 @@ def test_the_plain_config_runs_a_server_under_a_forced_plain_switch_file(tmp_pat
     assert results["configs"]["DSPINE-plain"]["env"] == {"DSPINE_DYNAMIC": str(forced)}
     assert "--speculative-algorithm" in results["configs"]["DSPINE-plain"]["flags"]
     assert "exit 1" in results["errors"][0]
+
+
+def test_the_alternating_switch_drafts_new_requests_then_alternates_once_drafts_fail(tmp_path):
+    """The untuned file of --alternating-switch is a valid switch file; under it a new request drafts,
+    and once its drafts carry no confidence (a random drafter) the decisions mix both kinds."""
+    path = bench.write_alternating_switch(tmp_path, 16, plain_tokens=4)
+    config = SwitchConfig.load(path)
+    assert config.plain_tokens == 4 and len(config.prior_survival) == 15
+    switch = ServingSwitch(config, 16)
+    assert switch.decide(["a"]) is True
+    switch.observe(["a"], torch.full((1, 15), -6.0))
+    kinds = [switch.decide(["a"]) for _ in range(40)]
+    assert 0 < sum(kinds) < 40 and kinds[0] is False
+
+
+def test_the_dynamic_config_gets_the_alternating_file_and_spec_flags_reach_dspine_only(tmp_path):
+    requests = tmp_path / "r.jsonl"
+    requests.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    serve = tmp_path / "serve.sh"
+    serve.write_text('[ "$1" = start ] || exit 0\necho "DSPINE_DYNAMIC=$DSPINE_DYNAMIC" > "$SGL_LOG"\nexit 1\n')
+    out = tmp_path / "out"
+    rc = bench.main(["--requests", str(requests), "--configs", "AR,DSPINE-dynamic", "--alternating-switch",
+                     "--plain-tokens", "4", "--spec-flags", "--linear-replayssm-cache-len 32",
+                     "--serve-script", str(serve), "--concurrency", "1", "--out-dir", str(out)])
+    assert rc == 1
+    written = out.resolve() / bench.ALTERNATING_SWITCH_FILE
+    assert (out / "sglang-DSPINE-dynamic.log").read_text().strip() == f"DSPINE_DYNAMIC={written}"
+    results = json.loads((out / "dynamic_h200.json").read_text())
+    assert results["switch"]["plain_tokens"] == 4
+    assert "--linear-replayssm-cache-len" in results["configs"]["DSPINE-dynamic"]["flags"]
+    assert "--linear-replayssm-cache-len" not in results["configs"]["AR"]["flags"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--requests", str(requests), "--switch", str(written), "--alternating-switch"])

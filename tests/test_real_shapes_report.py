@@ -5,6 +5,7 @@ import json
 import pytest
 
 from dspine.bench import real_shapes_report as rep
+from dspine.bench.dynamic import level_stats, parity_c1
 from dspine.bench.results import BenchError
 
 # SGLang 0.5.17's start-up lines (shortened) and the DSPINE worker's
@@ -72,6 +73,31 @@ def test_the_report_joins_rounds_soaks_memory_and_the_scratch_line():
     assert out["dynamic_switch_hybrid"] is True
 
 
+def reply(ids, widths):
+    """One bench_dynamic reply: token ids and the verify width of each decode step (16 draft, 1 plain)."""
+    return {"tokens": len(ids), "verify_ct": len(widths), "verify_tokens": widths, "token_ids": ids}
+
+
+def switch_run(plain_ids=(1, 2, 3), dynamic_widths=(16, 1, 1), errors=()):
+    """A bench_dynamic results file of AR, DSPINE-plain and DSPINE-dynamic servers at concurrency 1,
+    made with its own level and parity functions."""
+    passes = {"AR": [reply([1, 2, 3], [])], "DSPINE-plain": [reply(list(plain_ids), [1, 1, 1])],
+              "DSPINE-dynamic": [reply([1, 2, 3], list(dynamic_widths))]}
+    levels = [{"algorithm": name, "concurrency": 1, **level_stats(replies, 1.0, 16)} for name, replies in passes.items()]
+    return {"command": "bench_dynamic.py ...", "target": "/tmp/hybrid/target", "switch": {"plain_tokens": 4},
+            "levels": levels, "parity_c1": parity_c1(passes), "errors": list(errors)}
+
+
+def test_the_switch_verdict_needs_parity_and_both_step_kinds():
+    assert rep.switch_verdict(switch_run()) is True
+    diverged = rep.switch_verdict(switch_run(plain_ids=(1, 2, 4)))
+    assert diverged == "DSPINE-plain: 1 of 1 requests differ from AR's tokens (first differences at [2])"
+    assert "DSPINE-dynamic: 0 of 3 tagged decode steps plain (expected both kinds)" in \
+        rep.switch_verdict(switch_run(dynamic_widths=(16, 16, 16)))
+    failed = rep.switch_verdict(switch_run(errors=["DSPINE-dynamic: the server refused the switch file"]))
+    assert failed.startswith("DSPINE-dynamic: the server refused the switch file")
+
+
 def test_a_round_without_its_ar_step_names_the_missing_run():
     with pytest.raises(BenchError, match=r"qwen3-8b: DSPINE at c=8, T=1 has no AR step beside it"):
         rep.report(rounds(drop_ar=("qwen3-8b", 8, 1.0)), {"qwen3-8b": (soak(), LOG_8B), "qwen3.8-27b": (soak(), LOG_27B)},
@@ -99,3 +125,10 @@ def test_the_command_line_writes_the_file_and_a_plot(tmp_path, capsys):
     if rep.pyplot() is not None:
         assert (tmp_path / "out" / "real_shapes_h200.png").stat().st_size > 10_000
     assert rep.main(argv[:-2] + ["--dynamic-switch-hybrid", "true", "--rounds", str(tmp_path / "none.json")]) == 1
+    (tmp_path / "dynamic_h200.json").write_text(json.dumps(switch_run()))
+    assert rep.main(argv[:-2] + ["--hybrid-switch", str(tmp_path / "dynamic_h200.json")]) == 0
+    written = json.loads((tmp_path / "out" / "real_shapes_h200.json").read_text())
+    assert written["dynamic_switch_hybrid"] is True
+    assert written["hybrid_switch_run"]["steps"]["DSPINE-dynamic"] == {"tagged_steps": 3, "plain_steps": 2}
+    with pytest.raises(SystemExit):          # the verdict comes from one source only
+        rep.main(argv + ["--hybrid-switch", str(tmp_path / "dynamic_h200.json")])

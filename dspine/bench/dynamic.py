@@ -7,7 +7,9 @@ or `--url NAME=URL` for servers already running):
 * `DSPINE-static`: `--speculative-algorithm DSPINE`, every decode step drafts a block;
 * `DSPINE-dynamic`: the same flags with `DSPINE_DYNAMIC=<--switch>` in the server's environment
   (the speculation switch, `dspine.dynamic.switch`, tuned by `dspine tune-sps --plain-table` on the
-  traces' tune split);
+  traces' tune split; or, with `--alternating-switch`, an untuned file that makes a server whose drafts
+  are rarely accepted take both kinds of step, `write_alternating_switch`: an exactness check, not a
+  speed one);
 * `DSPINE-plain` (optional, a diagnostic): `DSPINE_DYNAMIC=<a forced switch file>` written to
   --out-dir (`dspine.dynamic.switch.write_forced_switch`: `{"force": "plain", "plain_tokens":
   <--plain-tokens>}`), every decode step plain: what a plain step costs against AR's.
@@ -44,7 +46,7 @@ from pathlib import Path
 from dspine.bench.chat_client import CHAT, completion_tokens
 from dspine.bench.launchers import ConfigLaunchers, add_server_arguments, check_server_arguments
 from dspine.bench.results import BenchError, check_schema, command_line, write_results
-from dspine.dynamic.switch import write_forced_switch
+from dspine.dynamic.switch import write_forced_switch, write_switch_file
 from dspine.utils.http import HttpClient, HttpError
 from dspine.utils.plot import pyplot, save_figure
 
@@ -56,6 +58,27 @@ RESULTS_SCHEMA = {
               "accept_len": float}],
 }
 FORCED_PLAIN_FILE = "switch-forced-plain.json"
+ALTERNATING_SWITCH_FILE = "switch-alternating.json"
+
+
+def write_alternating_switch(folder: Path, block_size: int, plain_tokens: int) -> Path:
+    """An untuned dynamic switch file in `folder` (with its two step tables) under which a server
+    takes both kinds of decode step: a new request drafts (its prior survival, 0.95 per position,
+    expects ~11 tokens a round against `plain_tokens` a plain step at equal step rates), a request
+    whose drafts fail (random drafter weights) turns to plain steps, and the backoff probes drafting
+    again within 8 steps (probe share 0.2). For checking that outputs stay exact across switches;
+    its step rates are made up, so it says nothing about speed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "alternating-round.json").write_text(json.dumps(
+        {"sample_batch_tokens": [block_size, 8 * block_size, 32 * block_size],
+         "sample_steps_per_sec": [300.0, 250.0, 120.0], "max_batch_tokens": 32 * block_size}))
+    (folder / "alternating-plain.json").write_text(json.dumps(
+        {"sample_batch_tokens": [1, 8, 32], "sample_steps_per_sec": [300.0, 280.0, 200.0], "max_batch_tokens": 32}))
+    path = folder / ALTERNATING_SWITCH_FILE
+    write_switch_file(path, round_table="alternating-round.json", plain_table="alternating-plain.json",
+                      calibration=None, prior_survival=[0.95 ** (i + 1) for i in range(block_size - 1)],
+                      probe_share=0.2, max_backoff=8, plain_tokens=plain_tokens)
+    return path
 
 
 def load_requests(path: Path, max_tokens: int) -> list[dict]:
@@ -129,11 +152,15 @@ def server_configs(args) -> dict[str, tuple[list[str], dict[str, str]]]:
     writes its forced switch file (`FORCED_PLAIN_FILE` in --out-dir) here."""
     common = ["--model-path", args.model_path, *shlex.split(args.extra_flags)]
     spec = [*common, "--speculative-algorithm", "DSPINE", "--speculative-num-draft-tokens", str(args.num_draft_tokens),
-            "--speculative-draft-attention-backend", "triton", "--speculative-draft-model-path", args.draft]
+            "--speculative-draft-attention-backend", "triton", "--speculative-draft-model-path", args.draft,
+            *shlex.split(args.spec_flags)]
     chosen = {}
     for name in args.configs:
         env: dict[str, str] = {}
         if name == "DSPINE-dynamic":
+            if args.alternating_switch:
+                args.switch = str(write_alternating_switch(Path(args.out_dir).resolve(), args.num_draft_tokens,
+                                                           args.plain_tokens))
             if not args.switch:
                 raise BenchError("DSPINE-dynamic needs --switch (the switch.json of `dspine tune-sps --plain-table`)")
             env = {"DSPINE_DYNAMIC": str(Path(args.switch).resolve())}
@@ -218,9 +245,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=Path, help="held-out OpenAI chat requests (JSONL)")
     p.add_argument("--switch", default=None, help="switch.json for DSPINE-dynamic (dspine tune-sps --plain-table)")
+    p.add_argument("--alternating-switch", action="store_true",
+                   help="DSPINE-dynamic with an untuned switch file that alternates drafting and plain steps "
+                        "(written to --out-dir; for exactness checks with a random drafter, not for speed)")
     p.add_argument("--plain-tokens", type=int, default=1,
                    help="DSPINE-plain: target tokens per plain step (the forced switch file's plain_tokens; use "
-                        "the tuned switch file's)")
+                        "the tuned switch file's); with --alternating-switch, its plain steps' too")
+    p.add_argument("--spec-flags", default="",
+                   help="SGLang flags of the DSPINE configs only, e.g. '--enable-linear-replayssm-spec "
+                        "--linear-replayssm-cache-len 32' for a hybrid target")
     add_server_arguments(p, configs=CONFIGS, default_configs=CONFIGS[:3],
                          extra_flags="--cuda-graph-max-bs-decode 128 --max-running-requests 128",
                          url_help="NAME=URL of a running server for config NAME (the others are started with "
@@ -236,6 +269,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.requests is None and not args.plot_only:
         p.error("--requests FILE is required (a held-out workload: python -m dspine.data.traces heldout TRACES --out FILE)")
+    if args.switch and args.alternating_switch:
+        p.error("--switch and --alternating-switch both name DSPINE-dynamic's switch file: give one")
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: at least 1")
     check_server_arguments(p, args, CONFIGS)

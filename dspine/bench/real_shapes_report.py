@@ -7,7 +7,7 @@ shape. This report joins them:
 
   python scripts/report_real_shapes.py --rounds DIR/real_shapes_rounds.json \\
       --preset qwen3.8-27b=DIR/soak_P27.json,DIR/P27.log --preset qwen3-8b=DIR/soak_P8.json,DIR/P8.log \\
-      --dynamic-switch-hybrid true            # or the measured reason it cannot run
+      --hybrid-switch DIR/hybrid_switch/dynamic_h200.json   # or --dynamic-switch-hybrid "the reason it cannot run"
 
 - `presets[i].rounds`: per (concurrency, temperature) DSPINE's ms per round (`ms_per_round`, its
   step profile: one scheduler step is one round) and AR's ms per step of the same target
@@ -16,7 +16,11 @@ shape. This report joins them:
   start-up (weights, KV, mamba state, ReplaySSM ring; GB) and how many preset flags the worker
   logged in effect;
 - `replayssm_scratch`: the DSPINE worker's start-up line of the hybrid preset (ReplaySSM's verify
-  scratch per request as allocated, against per-token snapshots at the pool's shapes).
+  scratch per request as allocated, against per-token snapshots at the pool's shapes);
+- `dynamic_switch_hybrid`: true when `--hybrid-switch` (`scripts/bench_dynamic.py` on a hybrid
+  target: AR, DSPINE-plain and DSPINE-dynamic servers) shows the switch served it exactly
+  (`switch_verdict`), else what that file shows went wrong; `--dynamic-switch-hybrid REASON` instead
+  when no such server could run.
 """
 
 from __future__ import annotations
@@ -94,8 +98,45 @@ def preset_rounds(runs: list[dict], shape: str) -> list[dict]:
     return rows
 
 
-def report(rounds: dict, presets: dict[str, tuple[dict, str]], dynamic_switch_hybrid, command: str) -> dict:
-    """The results object (see the module docstring); `presets`: name -> (soak results, server log)."""
+def switch_verdict(dynamic: dict) -> bool | str:
+    """True when a `bench_dynamic` results file shows the speculation switch serving exactly: the
+    forced-plain and the dynamic servers' greedy token ids equal AR's on every request at concurrency
+    1, the forced-plain server took only plain steps and the dynamic one both kinds; else a sentence
+    naming each check that failed."""
+    problems = list(dynamic.get("errors", []))
+    parity = dynamic.get("parity_c1", {})
+    for name in ("DSPINE-plain", "DSPINE-dynamic"):
+        block = parity.get(name)
+        if block is None:
+            problems.append(f"{name}: no parity against AR at concurrency 1")
+        elif block["identical"] != block["requests"]:
+            problems.append(f"{name}: {block['requests'] - block['identical']} of {block['requests']} requests differ "
+                            f"from AR's tokens (first differences at {block['first_difference'][:5]})")
+        levels = [level for level in dynamic.get("levels", []) if level["algorithm"] == name]
+        tagged, plain = sum(level["tagged_steps"] for level in levels), sum(level["plain_steps"] for level in levels)
+        if name == "DSPINE-plain" and not 0 < plain == tagged:
+            problems.append(f"{name}: {plain} of {tagged} tagged decode steps plain (expected all)")
+        if name == "DSPINE-dynamic" and not 0 < plain < tagged:
+            problems.append(f"{name}: {plain} of {tagged} tagged decode steps plain (expected both kinds)")
+    return True if not problems else "; ".join(dict.fromkeys(problems))
+
+
+def switch_run(dynamic: dict) -> dict:
+    """What `switch_verdict` read, kept beside the verdict: the run's command, parity at concurrency 1
+    and each config's tagged and plain decode steps."""
+    steps = {}
+    for level in dynamic.get("levels", []):
+        row = steps.setdefault(level["algorithm"], {"tagged_steps": 0, "plain_steps": 0})
+        row["tagged_steps"] += level["tagged_steps"]
+        row["plain_steps"] += level["plain_steps"]
+    return {"command": dynamic.get("command"), "target": dynamic.get("target"), "switch": dynamic.get("switch"),
+            "parity_c1": dynamic.get("parity_c1"), "steps": steps}
+
+
+def report(rounds: dict, presets: dict[str, tuple[dict, str]], dynamic_switch_hybrid, command: str,
+           hybrid_switch: dict | None = None) -> dict:
+    """The results object (see the module docstring); `presets`: name -> (soak results, server log);
+    `hybrid_switch`: the `bench_dynamic` file the verdict came from, summarised beside it."""
     entries, scratch = [], None
     for name, (soak, log) in presets.items():
         entries.append({"preset": name, "served_minutes": float(soak["minutes"]), "requests": int(soak["requests"]),
@@ -112,6 +153,8 @@ def report(rounds: dict, presets: dict[str, tuple[dict, str]], dynamic_switch_hy
     results = {"device": rounds["device"], "date": rounds["date"], "command": command, "sglang": rounds["sglang"],
                "rounds_command": rounds["command"], "presets": entries, "replayssm_scratch": scratch,
                "dynamic_switch_hybrid": dynamic_switch_hybrid}
+    if hybrid_switch is not None:
+        results["hybrid_switch_run"] = switch_run(hybrid_switch)
     check_schema(results, RESULTS_SCHEMA)
     return results
 
@@ -148,8 +191,11 @@ def parse_args(argv):
     p.add_argument("--rounds", type=Path, required=True, help="bench_round_cost's results file of the run")
     p.add_argument("--preset", action="append", required=True, metavar="NAME=SOAK_JSON,SERVER_LOG",
                    help="per preset: its soak file and its server's log")
-    p.add_argument("--dynamic-switch-hybrid", required=True,
-                   help="'true' when the speculation switch served the hybrid target exactly, else the measured reason")
+    switch = p.add_mutually_exclusive_group(required=True)
+    switch.add_argument("--hybrid-switch", type=Path, metavar="DYNAMIC_JSON",
+                        help="scripts/bench_dynamic.py's results on a hybrid target (AR, DSPINE-plain, DSPINE-dynamic)")
+    switch.add_argument("--dynamic-switch-hybrid", metavar="REASON",
+                        help="why no switch server could run with the hybrid target (the measured reason)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     args = p.parse_args(argv)
     args.presets = {}
@@ -167,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         presets = {name: (json.loads(soak.read_text()), log.read_text(errors="replace"))
                    for name, (soak, log) in args.presets.items()}
-        switch = True if args.dynamic_switch_hybrid.lower() == "true" else args.dynamic_switch_hybrid
-        results = report(json.loads(args.rounds.read_text()), presets, switch, command_line(argv))
+        dynamic = json.loads(args.hybrid_switch.read_text()) if args.hybrid_switch else None
+        switch = switch_verdict(dynamic) if dynamic is not None else args.dynamic_switch_hybrid
+        results = report(json.loads(args.rounds.read_text()), presets, switch, command_line(argv), dynamic)
     except (OSError, ValueError, KeyError, BenchError) as exc:
         print(f"real shapes: {exc}", file=sys.stderr)
         return 1
