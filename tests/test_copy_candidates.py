@@ -16,9 +16,9 @@ from dspine.engine import proposer as proposer_module
 from dspine.kernels import dispatch
 from dspine.model.checkpoint import read_config, save_checkpoint
 from dspine.model.config import ConfigError, DSpineConfig
-from dspine.model.copy_candidates import (CopyCounts, CopyTables, TokenHistory, constant_copy_scores,
-                                          copy_candidates, count_copy_outcomes, find_copies, fit_copy_tables,
-                                          recorded_histories)
+from dspine.model.copy_candidates import (REMATCH_OFF_ENTRY_LOG_ODDS, CopyCounts, CopyTables, TokenHistory,
+                                          constant_copy_scores, copy_candidates, count_copy_outcomes, find_copies,
+                                          fit_copy_tables, recorded_histories)
 from dspine.model.selection import (CopyCandidates, candidate_topk, copy_scores, pair_scores, select_tokens,
                                     walk_path)
 from dspine.model.transition import TransitionScorer
@@ -93,11 +93,47 @@ def test_tables_look_up_buckets_and_slots_and_feed_the_candidates():
     assert torch.allclose(follow[4], torch.tensor([2.0, 2.1, 2.1]))
     assert torch.allclose(reenter[2], torch.tensor([1.0, -1.1, -1.1]))
     history = torch.tensor([[5, 6, 7, 9, 5, 6, 7, 0], [1, 2, 3, 4, 5, 6, 7, 8]])
-    copies = copy_candidates(history, torch.tensor([7, 8]), cfg, tables, 4)
-    assert copies.ids.tolist() == [[9, 5, 6, 7], [-1, -1, -1, -1]] and copies.mode == "mixture"
-    assert torch.allclose(copies.follow[0], torch.tensor([1.0, 1.1, 1.1, 1.1]))   # a 3-token match
-    short = copy_candidates(history, torch.tensor([7, 8]), cfg.replace(copy_max_span=2), tables, 4)
-    assert short.ids[0].tolist() == [9, 5, -1, -1]
+    single = cfg.replace(copy_rematch=False)
+    copies = copy_candidates(history, torch.tensor([7, 8]), single, tables, 4)
+    assert copies.ids.tolist() == [[[9, 5, 6, 7]], [[-1, -1, -1, -1]]] and copies.mode == "mixture"
+    assert torch.allclose(copies.follow[0, 0], torch.tensor([1.0, 1.1, 1.1, 1.1]))   # a 3-token match
+    assert copies.scored.tolist() == [[[True] * 4], [[False] * 4]]
+    short = copy_candidates(history, torch.tensor([7, 8]), single.replace(copy_max_span=2), tables, 4)
+    assert short.ids[0, 0].tolist() == [9, 5, -1, -1]
+    with pytest.raises(ValueError, match="first_draft"):
+        copy_candidates(history, torch.tensor([7, 8]), cfg, tables, 4)
+
+
+def test_the_rematched_chain_copies_after_the_drafters_first_token():
+    """Chain 1: the drafter's first-slot token as its entry (unscored), then the copy after history +
+    that token (brute force) from slot 1, scored one table column back and entered off its entry with
+    REMATCH_OFF_ENTRY_LOG_ODDS; none where chain 0 already starts with that token."""
+    cfg = DSpineConfig(**BASE, copy_min_match=1, copy_match_buckets=[1, 3],
+                       copy_follow_log_odds=[[0.5, 0.6, 0.7], [1.5, 1.6, 1.7]],
+                       copy_reenter_log_odds=[[0.5, -0.6, -0.7], [1.5, -1.6, -1.7]])
+    g = torch.Generator().manual_seed(4)
+    history = torch.randint(0, 5, (6, 40), generator=g)
+    lengths = torch.tensor([40, 33, 20, 12, 40, 5])
+    first = torch.randint(0, 5, (6,), generator=g)
+    n = 5
+    copies = copy_candidates(history, lengths, cfg, CopyTables.from_config(cfg), n, first)
+    assert copies.ids.shape == (6, 2, n)
+    for b in range(6):
+        tokens = history[b, : int(lengths[b])].tolist()
+        ids0, _ = brute_suffix_match(tokens, n, 1, 32, n, 8192)
+        assert copies.ids[b, 0].tolist() == ids0
+        ids1, m1 = brute_suffix_match(tokens + [int(first[b])], n - 1, 1, 32, n - 1, 8192)
+        if ids0[0] == int(first[b]):
+            ids1 = [-1] * (n - 1)
+        assert copies.ids[b, 1].tolist() == [int(first[b])] + ids1
+        assert copies.scored[b, 1].tolist() == [False] + [i >= 0 for i in ids1]
+        row = 0 if m1 < 3 else 1
+        follow, reenter = cfg.copy_follow_log_odds[row], cfg.copy_reenter_log_odds[row]
+        col = lambda i: min(i, 2)  # noqa: E731
+        assert copies.follow[b, 1, 1:].tolist() == pytest.approx([follow[col(i - 1)] for i in range(1, n)])
+        assert copies.reenter[b, 1, 2:].tolist() == pytest.approx([reenter[col(i - 1)] for i in range(2, n)])
+        assert float(copies.reenter[b, 1, 1]) == REMATCH_OFF_ENTRY_LOG_ODDS
+    assert int((copies.ids[:, 1, 1:] >= 0).sum()) > 0 and int((copies.ids[:, 1, 1:] < 0).sum()) > 0
 
 
 def test_triton_find_copies_equals_the_torch_path():
@@ -168,21 +204,32 @@ def test_recorded_histories_take_every_assistant_message_with_its_context():
 
 
 # ---------------------------------------------------------------------------------------- lattice
-def _brute_force_lattice(logits, anchor, copy_ids, follow, reenter, mode, scorer, table, lam, k):
-    """Per slot, candidates = top-k ids plus the copy token; x_i(a, c) = draft logit (the copy token's
-    score instead: with follow when a is the previous slot's copy token or i = 0, else reenter) + lam*T(a, c);
-    conditionals log-softmax over the slot's candidates. Returns (candidate lists, conditional(i, a, T))."""
+def _brute_force_lattice(logits, anchor, chains, mode, scorer, table, lam, k):
+    """One row's lattice by its definition. chains: per chain (ids, follow, reenter, scored) lists of
+    N. Per slot, candidates = top-k ids plus every chain's token. x_i(a, c) = u_i(c) + bonus_i(a, c)
+    + lam*T(a, c): u = the highest copy score of the chains that score c at slot i (rho = follow at
+    slot 0, reenter after), else c's draft logit; bonus = the highest score(follow) - score(reenter)
+    of the chains holding a at slot i-1 and c at slot i, else 0. Conditionals: log-softmax over the
+    slot's candidates. Returns (candidate lists, conditional(i, a, T))."""
     n = logits.shape[0]
     cands = []
     for i in range(n):
         ids = logits[i].topk(k).indices.tolist()
-        cands.append(ids + ([int(copy_ids[i])] if copy_ids[i] >= 0 and int(copy_ids[i]) not in ids else []))
+        for chain_ids, _, _, _ in chains:
+            if chain_ids[i] >= 0 and chain_ids[i] not in ids:
+                ids.append(chain_ids[i])
+        cands.append(ids)
+
+    def score(i, c, rho):
+        return copy_scores(logits[i, c], logits[i].logsumexp(-1), torch.tensor(rho), mode).item()
 
     def x(i, a, c):
-        val = logits[i, c].item()
-        if c == int(copy_ids[i]):
-            rho = follow[i] if i == 0 or a == int(copy_ids[i - 1]) else reenter[i]
-            val = copy_scores(logits[i, c], logits[i].logsumexp(-1), torch.tensor(rho), mode).item()
+        scores = [score(i, c, follow[i] if i == 0 else reenter[i])
+                  for ids, follow, reenter, scored in chains if ids[i] == c and scored[i]]
+        val = max(scores) if scores else logits[i, c].item()
+        bonuses = [(score(i, c, follow[i]) - score(i, c, reenter[i])) if mode == "mixture" else follow[i] - reenter[i]
+                   for ids, follow, reenter, _ in chains if i and ids[i] == c and ids[i - 1] == a]
+        val += max(bonuses) if bonuses else 0.0
         return val + lam * scorer.pair(table, torch.tensor([a]), torch.tensor([c]))[0, 0].item()
 
     def conditional(i, a, temperature=1.0):
@@ -192,10 +239,31 @@ def _brute_force_lattice(logits, anchor, copy_ids, follow, reenter, mode, scorer
     return cands, conditional
 
 
+def _chains(bs, n, vocab, logits, k, g):
+    """Two chains per row covering the cases: chain 0 a plain copy chain (a token already a candidate,
+    tokens outside every top-k, a one-slot span, none at all); chain 1 a re-matched chain entered
+    from the drafter's first-slot top-1 (unscored) whose tokens sometimes equal chain 0's."""
+    ids0 = torch.randint(0, vocab, (bs, n), generator=g)
+    ids0[0, 0] = logits[0, 0].argmax()                                          # already a candidate
+    ids0[1] = logits[1].topk(k + 3).indices[:, -1]                              # outside every top-k
+    ids0[2, 1:] = -1                                                            # a span of one slot
+    ids0[3] = -1                                                                # no copy at all
+    ids1 = torch.randint(0, vocab, (bs, n), generator=g)
+    ids1[:, 0] = logits[:, 0].argmax(-1)                                        # the entry
+    ids1[0, 1:] = ids0[0, 1:]                                                   # the same chain twice
+    ids1[1, 2:] = logits[1, 2:].topk(k + 4).indices[:, -1]
+    ids1[3, 2:] = -1
+    scored1 = ids1 >= 0
+    scored1[:, 0] = False
+    follow, reenter = torch.randn(bs, 2, n, generator=g) * 2, torch.randn(bs, 2, n, generator=g) * 2
+    return torch.stack([ids0, ids1], 1), follow, reenter, torch.stack([ids0 >= 0, scored1], 1)
+
+
 @pytest.mark.parametrize("mode", ["mixture", "logit"])
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("n_chains", [1, 2])
 @torch.no_grad()
-def test_copy_lattice_equals_brute_force_paths(mode, seed):
+def test_copy_lattice_equals_brute_force_paths(mode, seed, n_chains):
     g = torch.Generator().manual_seed(seed)
     bs, n, k, vocab = 4, 3, 2, 12
     logits = torch.randn(bs, n, vocab, generator=g) * 2
@@ -204,30 +272,25 @@ def test_copy_lattice_equals_brute_force_paths(mode, seed):
     with torch.no_grad():
         scorer.weight.copy_(torch.randn(6, 6, generator=g) * 0.5)
     anchors = torch.randint(0, vocab, (bs,), generator=g)
-    copy_ids = torch.randint(0, vocab, (bs, n), generator=g)
-    copy_ids[0, 0] = logits[0, 0].argmax()                                     # already a candidate
-    copy_ids[1] = logits[1].topk(k + 3).indices[:, -1]                          # outside every top-k
-    copy_ids[2, 1:] = -1                                                        # a span of one slot
-    copy_ids[3] = -1                                                            # no copy at all
-    follow, reenter = torch.randn(bs, n, generator=g) * 2, torch.randn(bs, n, generator=g) * 2
-    copies = CopyCandidates(ids=copy_ids, follow=follow, reenter=reenter, mode=mode)
+    ids, follow, reenter, scored = (t[:, :n_chains] for t in _chains(bs, n, vocab, logits, k, g))
+    copies = CopyCandidates(ids=ids, follow=follow, reenter=reenter, scored=scored, mode=mode)
     for temperature in (0.0, 0.7):
         sel = select_tokens(logits, anchors, torch.full((bs,), temperature), mode="transition", top_k=k, lam=0.8,
                             scorer=scorer, table=table, copies=copies, generator=torch.Generator().manual_seed(seed))
-        assert sel.cand_ids.shape == (bs, n, k + 1)
+        assert sel.cand_ids.shape == (bs, n, k + n_chains)
         for b in range(bs):
-            cands, cond = _brute_force_lattice(logits[b], int(anchors[b]), copy_ids[b], follow[b].tolist(),
-                                               reenter[b].tolist(), mode, scorer, table, 0.8, k)
+            chains = [tuple(t[b, c].tolist() for t in (ids, follow, reenter, scored)) for c in range(n_chains)]
+            cands, cond = _brute_force_lattice(logits[b], int(anchors[b]), chains, mode, scorer, table, 0.8, k)
             for i in range(n):
-                assert len(set(sel.cand_ids[b, i].tolist())) == k + 1               # ids unique in a slot
+                assert len(set(sel.cand_ids[b, i].tolist())) == k + n_chains       # ids unique in a slot
                 assert set(cands[i]) <= set(sel.cand_ids[b, i].tolist())
                 extra = [j for j, c in enumerate(sel.cand_ids[b, i].tolist()) if c not in cands[i]]
                 assert all(float(sel.q[b, i, j]) == 0.0 for j in extra)
             if temperature == 0.0:
-                def score(path):
+                def path_score(path):
                     prev = [int(anchors[b])] + list(path[:-1])
                     return sum(cond(i, prev[i])[path[i]] for i in range(n))
-                best = max(itertools.product(*cands), key=score)
+                best = max(itertools.product(*cands), key=path_score)
                 assert sel.tokens[b].tolist() == list(best)
             else:
                 prev = [int(anchors[b])] + sel.tokens[b, :-1].tolist()
@@ -254,12 +317,11 @@ def test_mixture_score_is_the_copy_mixture():
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_triton_selection_with_copies_equals_the_torch_path(temperature):
     g = torch.Generator().manual_seed(9)
-    bs, n, k, vocab = 3, 7, 4, 300
+    bs, n, k, vocab = 4, 7, 4, 300
     logits, table = torch.randn(bs, n, vocab, generator=g) * 2, torch.randn(vocab, 8, generator=g)
     scorer = TransitionScorer(8)
-    copies = CopyCandidates(ids=torch.randint(0, vocab, (bs, n), generator=g), follow=torch.randn(bs, n, generator=g),
-                            reenter=torch.randn(bs, n, generator=g) - 2)
-    copies.ids[0, 3:] = -1
+    ids, follow, reenter, scored = _chains(bs, n, vocab, logits, k, g)
+    copies = CopyCandidates(ids=ids, follow=follow, reenter=reenter - 2, scored=scored)
     anchors = torch.randint(0, vocab, (bs,), generator=g)
     picks = {}
     with torch.no_grad():
@@ -275,7 +337,8 @@ def test_triton_selection_with_copies_equals_the_torch_path(temperature):
 
 def test_copies_need_the_transition_lattice():
     logits = torch.randn(1, 3, 10)
-    copies = CopyCandidates(ids=torch.full((1, 3), 4), follow=torch.zeros(1, 3), reenter=torch.zeros(1, 3))
+    copies = CopyCandidates(ids=torch.full((1, 1, 3), 4), follow=torch.zeros(1, 1, 3), reenter=torch.zeros(1, 1, 3),
+                            scored=torch.ones(1, 1, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="transition lattice"):
         select_tokens(logits, torch.tensor([1]), torch.zeros(1), mode="argmax", top_k=2, lam=1.0, scorer=None,
                       table=None, copies=copies)
@@ -313,8 +376,8 @@ def _record_selections(monkeypatch) -> list:
 
 
 def _copies_chosen(calls, top_k: int) -> int:
-    """Proposals taken from the extra column (a copy token the drafter's top-K lacked)."""
-    return sum(int((sel.choice == top_k).sum()) for copies, sel in calls if copies is not None)
+    """Proposals taken from the chains' extra columns (copy tokens the drafter's top-K lacked)."""
+    return sum(int((sel.choice >= top_k).sum()) for copies, sel in calls if copies is not None)
 
 
 def test_copies_off_leave_generation_unchanged(llama_target, monkeypatch):
@@ -369,13 +432,13 @@ def test_copies_raise_tau_where_the_answer_copies_its_context(monkeypatch):
 def test_speculative_sampling_with_copies_matches_target(mode, monkeypatch):
     """T > 0, copies on: the first three emitted tokens follow the target's exact joint distribution."""
     target = tiny_llama(vocab=6, hidden=32, layers=2, seed=3, init=0.3)
-    drafter = drafter_for(target, seed=5, selection_top_k=3, block_size=4, injection_top_k=2, mask_token_id=0,
+    drafter = drafter_for(target, seed=5, selection_top_k=2, block_size=4, injection_top_k=2, mask_token_id=0,
                           successor_table_size=4, copy_candidates=True, copy_min_match=1,
                           **constant_copy_scores(1.5, -0.5, mode))
     params = dict(temperature=1.0)
     calls = _record_selections(monkeypatch)
     counts = empirical(target, drafter, params, seed=21)
     assert sum(counts.values()) == DRAWS
-    assert _copies_chosen(calls, 3) > 100, "copy tokens outside the top-K must be proposed"
+    assert _copies_chosen(calls, 2) > 100, "copy tokens outside the top-K must be proposed"
     p = chi2_pvalue(exact_joint(target, params), counts)
     assert p > 0.01, f"speculative samples deviate from the target distribution (chi-square p={p:.2e})"

@@ -121,7 +121,7 @@ class DSpineProposer:
         copies = None
         if self.history is not None:
             history, lengths = self.history.with_anchor(anchor_ids)
-            copies = copy_candidates(history, lengths, cfg, self.copy_tables, blk - 1)
+            copies = copy_candidates(history, lengths, cfg, self.copy_tables, blk - 1, logits[:, 0].argmax(-1))
         sel = select_tokens(logits, anchor_ids, temperature, mode=cfg.selection, top_k=cfg.selection_top_k,
                             lam=cfg.transition_lambda, scorer=model.transition, table=model.transfer_table(),
                             successors=self.successors, generator=generator, copies=copies)

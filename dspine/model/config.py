@@ -116,8 +116,10 @@ class DSpineConfig:
     # Copy candidates (dspine.model.copy_candidates): the continuation of the longest earlier match of
     # the history's suffix (>= copy_min_match tokens, counted up to copy_max_match, in the last
     # copy_history_window tokens) joins each slot's candidates, for up to copy_max_span slots (None:
-    # every proposal slot). Off until measured on the serving workloads.
+    # every proposal slot). Off until measured on the serving workloads. copy_rematch adds a second
+    # chain, matched again after the drafter's first-slot choice (`copy_candidates.copy_candidates`).
     copy_candidates: bool = False
+    copy_rematch: bool = True
     copy_min_match: int = 2
     copy_max_match: int = 32
     copy_max_span: int | None = None
@@ -189,8 +191,14 @@ class DSpineConfig:
         if self.copy_candidates:
             need(self.selection == "transition", "copy_candidates",
                  "needs selection = 'transition': copy tokens join the transition lattice")
-            need(self.selection_top_k < self.vocab_size, "selection_top_k",
-                 f"must be < vocab_size={self.vocab_size} with copy_candidates (the lattice holds K+1 ids a slot)")
+            need(self.selection_top_k + 2 * self.copy_chains <= self.vocab_size, "selection_top_k",
+                 f"must be <= vocab_size - 2C = {self.vocab_size - 2 * self.copy_chains} with copy_candidates "
+                 f"({self.copy_chains} copy chains: the lattice ranks K+2C ids a slot)")
+
+    @property
+    def copy_chains(self) -> int:
+        """C: copy chains a round adds to the lattice when copy candidates run, one column each."""
+        return 1 + int(self.copy_rematch)
 
     @property
     def num_context_features(self) -> int:

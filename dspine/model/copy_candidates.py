@@ -4,7 +4,10 @@ Answers in long agentic sessions copy long spans of their context (tool results,
 Each round, the row's token history (prompt + accepted output, ending with the anchor; its last
 `copy_history_window` tokens) is searched for the most recent longest earlier occurrence of its own
 suffix (`kernels.suffix_match`, `find_copies`); the tokens after that occurrence are the copy tokens
-s_i of proposal slots i = 0, 1, ... `selection.copy_lattice` adds s_i to slot i's candidates.
+s_i of proposal slots i = 0, 1, ... (chain 0). With `copy_rematch` a second chain is matched again
+after the drafter's own first-slot choice, for the later slots (`copy_candidates`): where the
+history has no match, or chain 0 is wrong from the first token, a right first token often starts a
+copy. `selection.copy_lattice` adds each chain's s_i to slot i's candidates.
 
 Scores: rho(m, i), the log-odds that s_i is the target's next token, by match length m (bucketed;
 `copy_match_buckets` are the buckets' lower edges) and slot i (the last column serves every later
@@ -119,12 +122,47 @@ class CopyTables:
         return self.follow[bucket][:, slot], self.reenter[bucket][:, slot]
 
 
-def copy_candidates(history: Tensor, lengths: Tensor, cfg: DSpineConfig, tables: CopyTables, n: int) -> CopyCandidates:
-    """The copy candidates of n proposal slots after each row's history [bs, W] (ending with the
-    anchor), lengths [bs]: `find_copies` scored by `tables`."""
+# rho of a re-matched chain's first copy token when the path reaches it off the chain's entry: the
+# copy was matched after that entry, so elsewhere it is (almost) never the target's next token.
+REMATCH_OFF_ENTRY_LOG_ODDS = -30.0
+
+
+def extend_history(history: Tensor, lengths: Tensor, token: Tensor) -> tuple[Tensor, Tensor]:
+    """history [bs, W] right-padded, lengths [bs], token [bs] -> (history [bs, W+1] with `token`
+    after each row's last token, lengths + 1)."""
+    grown = torch.cat([history, torch.zeros_like(history[:, :1])], 1)
+    return grown.scatter(1, lengths.long()[:, None], token.to(grown.dtype)[:, None]), lengths + 1
+
+
+def copy_candidates(history: Tensor, lengths: Tensor, cfg: DSpineConfig, tables: CopyTables, n: int,
+                    first_draft: Tensor | None = None) -> CopyCandidates:
+    """The copy chains of n proposal slots after each row's history [bs, W] (ending with the anchor),
+    lengths [bs]:
+
+    - chain 0: `find_copies` on the history, scored by `tables`;
+    - with `cfg.copy_rematch`, chain 1 after the drafter's first-slot choice first_draft [bs]: that
+      token as the chain's entry at slot 0, then `find_copies` on the history extended by it for
+      slots 1.., scored by the tables one column back (copying after a right first token is copying
+      from the next anchor: the same statistics) and entered off its entry with
+      `REMATCH_OFF_ENTRY_LOG_ODDS`. A row whose chain 0 starts with first_draft has no chain 1: it
+      would re-match the suffix chain 0 already continues."""
     ids, match_len = find_copies(history, lengths, cfg, n)
     follow, reenter = tables.lookup(match_len, n)
-    return CopyCandidates(ids=ids, follow=follow, reenter=reenter, mode=cfg.copy_score)
+    chains = [(ids, follow, reenter, ids >= 0)]
+    if cfg.copy_rematch:
+        if first_draft is None:
+            raise ValueError("copy_rematch needs the drafter's first-slot tokens (first_draft)")
+        grown, grown_lengths = extend_history(history, lengths, first_draft)
+        after, after_len = find_copies(grown, grown_lengths, cfg, n - 1)
+        after = torch.where(ids[:, :1] == first_draft[:, None], -1, after)
+        follow1, reenter1 = tables.lookup(after_len, n)
+        entry = torch.full_like(follow1[:, :1], REMATCH_OFF_ENTRY_LOG_ODDS)
+        chains.append((torch.cat([first_draft.long()[:, None], after], 1),
+                       torch.cat([follow1[:, :1], follow1[:, :-1]], 1),
+                       torch.cat([reenter1[:, :1], entry, reenter1[:, 1:-1]], 1),
+                       torch.cat([torch.zeros_like(after[:, :1], dtype=torch.bool), after >= 0], 1)))
+    ids, follow, reenter, scored = (torch.stack(parts, 1) for parts in zip(*chains))
+    return CopyCandidates(ids=ids, follow=follow, reenter=reenter, scored=scored, mode=cfg.copy_score)
 
 
 def constant_copy_scores(follow: float, reenter: float, mode: str = "logit") -> dict:

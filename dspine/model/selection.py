@@ -11,10 +11,11 @@ the verified anchor). The walk (`walk_path`) is Viterbi for greedy rows (tempera
 inverse-CDF sample with proposal q elsewhere (`kernels.transition_select`: the PyTorch reference,
 or the Triton kernel on `dispatch.use_triton` tensors).
 
-Copy candidates (`CopyCandidates`, from `dspine.model.copy_candidates`): each slot may also hold the
-token that copying the request's own context predicts there. It joins the slot as an extra column
-(K -> K+1, `copy_lattice`) with a score from its log-odds of being the target's next token, and the
-pair copy(i-1) -> copy(i) gets the extra score of staying on the copied span; the walk is the same.
+Copy candidates (`CopyCandidates`, from `dspine.model.copy_candidates`): C copy chains, each a run
+of tokens that copying the request's own context predicts for consecutive slots. A chain's token
+joins its slot as an extra column (K -> K+C, `copy_lattice`) with a score from its log-odds of being
+the target's next token, and the pair chain(i-1) -> chain(i) gets the extra score of staying on the
+chain; the walk is the same.
 """
 
 from __future__ import annotations
@@ -85,16 +86,19 @@ def walk_lattice(candidate_ids: Tensor, scores: Tensor, temperature: Tensor, uni
 
 @dataclass
 class CopyCandidates:
-    """Copy tokens of one round and their log-odds rho of being the target's next token.
+    """Copy chains of one round and their log-odds rho of being the target's next token.
 
-    ids [bs, N] int64: the copy token of each slot (-1: none); follow [bs, N] fp32: rho when the path
-    enters the slot from the previous slot's copy token (slot 0: always, its predecessor the anchor
-    ends the matched suffix); reenter [bs, N] fp32: rho when it enters from another candidate;
-    mode: how rho becomes a score (`copy_scores`)."""
+    ids [bs, C, N] int64: chain c's token of each slot (-1: none); follow [bs, C, N] fp32: rho when
+    the path enters the slot from the chain's previous token (slot 0: always, its predecessor the
+    anchor ends chain 0's matched suffix); reenter [bs, C, N] fp32: rho when it enters from another
+    candidate; scored [bs, C, N] bool: False where the chain's token is an entry, the drafter's own
+    candidate the chain was matched after, which links to the chain's next token but keeps its
+    draft score; mode: how rho becomes a score (`copy_scores`)."""
 
     ids: Tensor
     follow: Tensor
     reenter: Tensor
+    scored: Tensor
     mode: str = "mixture"
 
 
@@ -112,58 +116,79 @@ def copy_scores(logit: Tensor, lse: Tensor | None, rho: Tensor, mode: str) -> Te
     return logit + rho
 
 
-def copy_lattice(values: Tensor, ids: Tensor, copy_logit: Tensor, lse: Tensor | None,
-                 copies: CopyCandidates) -> tuple[Tensor, Tensor, Tensor]:
-    """A slot's top-(K+1) candidates values/ids [bs, N, K+1] (descending, `candidate_topk`), the copy
-    tokens' draft logits copy_logit [bs, N] and lse [bs, N] (see `copy_scores`) ->
-    (unary [bs, N, K+1] fp32, cand_ids [bs, N, K+1], span [bs, N, K+1, K+1] fp32).
+def copy_columns(ids: Tensor, k: int, chains: Tensor) -> Tensor:
+    """ids [bs, N, K+2C] (descending, `candidate_topk`), chains [bs, C, N] (-1: none) -> cand_ids
+    [bs, N, K+C], unique within a slot: the K best, then per chain c the chain's token in column
+    K+c unless the lattice holds it already (among the K best or an earlier chain's), else a
+    placeholder: the next-best ids that are no chain's token of the slot."""
+    n_chains = chains.shape[1]
+    tokens = chains.transpose(1, 2)                                             # [bs, N, C]
+    pool = ids[..., k:]                                                         # [bs, N, 2C]
+    free = ~(pool[..., :, None] == tokens[..., None, :]).any(-1)                # [bs, N, 2C] no chain's id
+    rank = free.long().cumsum(-1)                                               # 1, 2, ... over the free ids
+    pick = free[..., None] & (rank[..., None] == torch.arange(1, n_chains + 1, device=ids.device))
+    cand = torch.cat([ids[..., :k], (pool[..., None] * pick).sum(-2)], -1)      # [bs, N, K+C]
+    for c in range(n_chains):
+        token = tokens[..., c]
+        held = (cand[..., : k + c] == token[..., None]).any(-1)
+        cand[..., k + c] = torch.where((token >= 0) & ~held, token, cand[..., k + c])
+    return cand
 
-    Columns 0..K-1 are the K best candidates; column K is the copy token when it is not among them,
-    else (no copy token, or it is a candidate already, which then carries the copy score) the
-    (K+1)-th best id with unary -inf, so ids stay unique within a slot and q is 0 there. The copy
-    token's unary is its `copy_scores` with rho = follow at slot 0 and reenter after; span[b, i, a, c]
-    is the extra pair score copy(i-1) -> copy(i), score(follow) - score(reenter), 0 elsewhere."""
-    bs, n, k1 = values.shape
-    k = k1 - 1
-    has = copies.ids >= 0                                                       # [bs, N]
-    in_top = (ids[..., :k] == copies.ids[..., None]) & has[..., None]           # [bs, N, K]
-    extra = has & ~in_top.any(-1)                                               # [bs, N]
-    is_copy = torch.cat([in_top, extra[..., None]], -1)                         # [bs, N, K+1]
-    cand = torch.cat([ids[..., :k], torch.where(extra, copies.ids, ids[..., k])[..., None]], -1)
-    logit = copy_logit.float()
-    on_span = copy_scores(logit, lse, copies.follow, copies.mode)               # [bs, N]
-    off_span = copy_scores(logit, lse, copies.reenter, copies.mode)
+
+def copy_lattice(values: Tensor, ids: Tensor, logits: Tensor, lse: Tensor | None,
+                 copies: CopyCandidates) -> tuple[Tensor, Tensor, Tensor]:
+    """A slot's top-(K+2C) candidates values/ids [bs, N, K+2C] (descending, `candidate_topk`), the
+    draft logits [bs, N, V] and their logsumexp lse [bs, N] (needed by "mixture" only), C copy
+    chains -> (unary [bs, N, K+C] fp32, cand_ids [bs, N, K+C], span [bs, N, K+C, K+C] fp32).
+
+    Columns (`copy_columns`): the K best, then one per chain; a chain token already in the lattice
+    shares that column. A column's unary is the highest `copy_scores` of the chains that score its
+    token there (rho = follow at slot 0, reenter after), else its draft logit, and -inf for a
+    placeholder (q is 0 there). span[b, i, a, c] is the extra pair score chain(i-1) -> chain(i),
+    score(follow) - score(reenter) at slot i, the highest of the chains linking a to c; 0 elsewhere."""
+    bs, n, _ = values.shape
+    n_chains = copies.ids.shape[1]
+    k = values.shape[-1] - 2 * n_chains
+    cand = copy_columns(ids, k, copies.ids)                                     # [bs, N, K+C]
+    member = (cand[:, None] == copies.ids[..., None]) & (copies.ids >= 0)[..., None]   # [bs, C, N, K+C]
+    draft = logits.gather(-1, cand).float()                                     # [bs, N, K+C]
+    in_chain = member.any(1)
+    unary = torch.cat([values[..., :k].float(), torch.where(in_chain[..., k:], draft[..., k:], float("-inf"))], -1)
+    logit = draft[:, None].expand(-1, n_chains, -1, -1).masked_fill(~member, 0.0).sum(-1)   # [bs, C, N]
+    lse_c = None if lse is None else lse[:, None].expand(-1, n_chains, -1)
+    on_chain = copy_scores(logit, lse_c, copies.follow, copies.mode)             # [bs, C, N]
+    off_chain = copy_scores(logit, lse_c, copies.reenter, copies.mode)
     first = torch.arange(n, device=values.device) == 0
-    score = torch.where(first, on_span, off_span)
-    unary = torch.cat([values[..., :k].float(), torch.full_like(values[..., k:], float("-inf"))], -1)
-    unary = torch.where(is_copy, score[..., None], unary)
+    score = torch.where(first, on_chain, off_chain)
+    scoring = member & copies.scored[..., None]                                 # [bs, C, N, K+C]
+    best = torch.where(scoring, score[..., None], float("-inf")).amax(1)        # [bs, N, K+C]
+    unary = torch.where(scoring.any(1), best, unary)
     # score(follow) - score(reenter); in "logit" mode written as follow - reenter, which stays finite
     # when the draft logit is -inf ("mixture" scores are finite whenever lse is).
-    step = on_span - off_span if copies.mode == "mixture" else copies.follow - copies.reenter
-    link = is_copy[:, :-1, :, None] & is_copy[:, 1:, None, :]                   # [bs, N-1, K+1, K+1]
-    span = torch.cat([torch.zeros(bs, 1, k1, k1, device=values.device),
-                      torch.where(link, step[:, 1:, None, None].float(), 0.0)], 1)
+    step = on_chain - off_chain if copies.mode == "mixture" else copies.follow - copies.reenter
+    link = member[:, :, :-1, :, None] & member[:, :, 1:, None, :]               # [bs, C, N-1, K+C, K+C]
+    linked = torch.where(link, step[:, :, 1:, None, None].float(), float("-inf")).amax(1)
+    span = torch.cat([torch.zeros_like(linked[:, :1]), torch.where(link.any(1), linked, 0.0)], 1)
     return unary, cand, span
 
 
 def lattice_with_copies(logits: Tensor, anchor_ids: Tensor, copies: CopyCandidates, *, top_k: int, lam: float,
                         scorer: TransitionScorer, table: Tensor,
                         successors: SuccessorTable | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The K+1-candidate lattice of draft logits [bs, N, V] with `copies`: (unary [bs, N, K+1] fp32,
-    cand_ids [bs, N, K+1], pair [bs, N, K+1, K+1] fp32), to walk with λ = 1 (λ already scales the
-    transition part of `pair`; the copy span's score is not scaled). Shared by `select_tokens` and
-    SGLang's draft model class."""
-    values, ids = candidate_topk(logits, top_k + 1)                             # [bs, N, K+1]
-    copy_logit = logits.gather(-1, copies.ids.clamp(min=0)[..., None]).squeeze(-1)
+    """The K+C-candidate lattice of draft logits [bs, N, V] with C copy chains: (unary [bs, N, K+C]
+    fp32, cand_ids [bs, N, K+C], pair [bs, N, K+C, K+C] fp32), to walk with λ = 1 (λ already scales
+    the transition part of `pair`; the chains' span scores are not scaled). Shared by `select_tokens`
+    and SGLang's draft model class."""
+    values, ids = candidate_topk(logits, top_k + 2 * copies.ids.shape[1])      # [bs, N, K+2C]
     lse = torch.logsumexp(logits.float(), -1) if copies.mode == "mixture" else None
-    unary, cand, span = copy_lattice(values, ids, copy_logit, lse, copies)
+    unary, cand, span = copy_lattice(values, ids, logits, lse, copies)
     return unary, cand, lam * pair_scores(scorer, table, anchor_ids, cand, successors) + span
 
 
 @dataclass
 class Selection:
-    """Chosen proposals of one round. tokens: [bs, N]; cand_ids: [bs, N, K] (K+1 with copy
-    candidates) or None; q: [bs, N, K] proposal probabilities over cand_ids (None: no proposal
+    """Chosen proposals of one round. tokens: [bs, N]; cand_ids: [bs, N, K] (K+C with C copy
+    chains) or None; q: [bs, N, K] proposal probabilities over cand_ids (None: no proposal
     distribution, the argmax ablation or greedy rows only); choice: [bs, N] index of each token in
     cand_ids."""
 
@@ -181,8 +206,8 @@ def select_tokens(logits: Tensor, anchor_ids: Tensor, temperature: Tensor, *, mo
 
     `mode="argmax"`: independent argmax per slot (q is None: verification then matches the
     target's own sample). `mode="transition"`: the lattice walk over `candidate_topk`; at λ=0 it
-    equals independent argmax for greedy rows. With `copies` (transition only) the lattice has K+1
-    candidates a slot (`copy_lattice`), and cand_ids / q are [bs, N, K+1]."""
+    equals independent argmax for greedy rows. With `copies` (transition only) the lattice has K+C
+    candidates a slot (`copy_lattice`), and cand_ids / q are [bs, N, K+C]."""
     if mode == "argmax":
         if copies is not None:
             raise ValueError("copy candidates need the transition lattice: selection mode 'argmax' has none")

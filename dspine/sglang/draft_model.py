@@ -36,12 +36,12 @@ What DSpine adds, and only here:
   has no seam: the worker folds the same functions into the draft graph through its own sampler
   (`dspine_worker_v2.py`).
 - **Copy candidates** (`dspine_config.copy_candidates`; TP 1): with the worker's
-  `SlotTokenHistory` attached, each slot also holds the token that copying the request's own
-  context predicts there (`model.copy_candidates`: suffix match, calibrated scores), and the walk
-  runs over the K+1-candidate lattice of `selection.lattice_with_copies`, in the draft graph like
-  the rest. 0.5.17: `propose`. 0.5.20+: through the selector seam (`compute_candidates` returns the
-  K+1 candidates and keeps the lattice's pair scores for the `build_lattice` call that follows;
-  `candidate_selector.top_k` is K+1, so SGLang sizes its buffers for them).
+  `SlotTokenHistory` attached, each slot also holds the tokens that copying the request's own
+  context predicts there (`model.copy_candidates`: C chains of suffix matches, calibrated scores),
+  and the walk runs over the K+C-candidate lattice of `selection.lattice_with_copies`, in the draft
+  graph like the rest. 0.5.17: `propose`. 0.5.20+: through the selector seam (`compute_candidates` returns the
+  K+C candidates and keeps the lattice's pair scores for the `build_lattice` call that follows;
+  `candidate_selector.top_k` is K+C, so SGLang sizes its buffers for them).
 - **Strict weights**: `load_weights` maps and loads every tensor of the checkpoint
   (`draft_weights.py`: Qwen3-style names, q/k/v and gate/up stacked) and raises naming every
   unexpected tensor and every parameter left unloaded.
@@ -160,7 +160,7 @@ class DSpineCandidateSelector:
 
     Not an `nn.Module`: its only weight, W_T, is the model's `transition.weight` (checkpoint name
     kept), and the table is the model's transfer table. With copy candidates (a token history
-    attached to the model) the lattice has K+1 candidates a slot, built by `compute_candidates`."""
+    attached to the model) the lattice has K+C candidates a slot, built by `compute_candidates`."""
 
     def __init__(self, model: "DSpineDraftModel"):
         self._model = model
@@ -168,11 +168,12 @@ class DSpineCandidateSelector:
 
     @property
     def top_k(self) -> int:
-        """Candidates a slot: `selection_top_k`, plus the copy candidate while a token history is
+        """Candidates a slot: `selection_top_k`, plus one per copy chain while a token history is
         attached. SGLang sizes its in-graph sampler's candidate and q buffers with it when it builds
         the draft graph (the DSPINE worker attaches the history before that)."""
         model = self._model
-        return int(model.dspine_config.selection_top_k) + int(model._history is not None)
+        cfg = model.dspine_config
+        return int(cfg.selection_top_k) + (cfg.copy_chains if model._history is not None else 0)
 
     def build_lattice(self, *, candidate_ids: Tensor, unary_logits: Tensor, hidden_states: Tensor,
                       anchor_token_ids: Tensor) -> Tensor:
@@ -327,7 +328,7 @@ class DSpineDraftModel(_DFlashDraftModel):
         Also records the rows' confidence logits when recording is on (`enable_confidence_record`).
 
         With copy candidates (`attach_token_history`): M = n*(N-1) proposal rows of n blocks, and
-        the K+1 candidates a slot of `copy_candidate_lattice` (ids [M, K+1], unary [M, K+1]); the
+        the K+C candidates a slot of `copy_candidate_lattice` (ids [M, K+C], unary [M, K+C]); the
         lattice's pair scores go to a static buffer for the `build_lattice` call that follows
         (`copy_lattice_scores`). This call has no anchors, so slot 0's transitions are scored after
         each history row's last token: the block's anchor (SGLang's `anchor_token_ids`), which the
@@ -354,27 +355,27 @@ class DSpineDraftModel(_DFlashDraftModel):
     def attach_token_history(self, history) -> None:
         """Turn on copy candidates: `history` (`token_history.SlotTokenHistory`) holds every running
         request's tokens, and its `rows`/`lengths` point at the step's requests before the draft
-        runs. Call before graph capture (SGLang >= 0.5.20 reads `candidate_selector.top_k`, now K+1,
+        runs. Call before graph capture (SGLang >= 0.5.20 reads `candidate_selector.top_k`, now K+C,
         when it builds the draft graph). With the seam, allocates the static pair-score buffer it
         hands from `compute_candidates` to `build_lattice`: [history.rows rows (its largest draft
-        batch), N-1, K+1, K+1] fp32. One tensor-parallel rank only (the copy path scores the whole
+        batch), N-1, K+C, K+C] fp32. One tensor-parallel rank only (the copy path scores the whole
         vocabulary through the unsharded head)."""
         if self._tp()[0] != 1:
             raise NotImplementedError("DSpine copy candidates run at tensor parallel size 1; serve with --tp 1 or a "
                                       "drafter config with copy_candidates false")
         cfg = self.dspine_config
         device = self.target_head.weight.device
-        k1 = cfg.selection_top_k + 1
-        pair = (torch.zeros(history.rows.shape[0], self.block_size - 1, k1, k1, dtype=torch.float32, device=device)
+        width = cfg.selection_top_k + cfg.copy_chains
+        pair = (torch.zeros(history.rows.shape[0], self.block_size - 1, width, width, dtype=torch.float32, device=device)
                 if compat.has_selector_seam() else None)        # 0.5.17 walks the lattice in `propose`
         self.__dict__.update(_history=history, _copy_tables=CopyTables.from_config(cfg, device), _copy_pair=pair)
 
     def copy_candidate_lattice(self, hidden: Tensor, anchor_ids: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """The K+1-candidate lattice of n blocks with the attached history's copy candidates:
+        """The K+C-candidate lattice of n blocks with the attached history's copy candidates:
         hidden [n*(N-1), H] proposal rows (row-major [blocks, slots]), anchor_ids [n] (None: each
         history row's last token, the anchor) -> `selection.lattice_with_copies` over the
-        full-vocabulary draft logits, (unary [n, N-1, K+1] fp32, candidate ids [n, N-1, K+1],
-        pair [n, N-1, K+1, K+1] fp32), walked as `unary[:, :, None, :] + pair`. The history rows
+        full-vocabulary draft logits, (unary [n, N-1, K+C] fp32, candidate ids [n, N-1, K+C],
+        pair [n, N-1, K+C, K+C] fp32), walked as `unary[:, :, None, :] + pair`. The history rows
         are `window_rows(n)` (the worker pointed them at the step's requests). Also records the
         rows' confidence logits."""
         gamma = self.block_size - 1
@@ -386,14 +387,14 @@ class DSpineDraftModel(_DFlashDraftModel):
         recent, lengths = self._history.window_rows(n)
         if anchor_ids is None:
             anchor_ids = recent.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
-        copies = copy_candidates(recent, lengths, cfg, self._copy_tables, gamma)
+        copies = copy_candidates(recent, lengths, cfg, self._copy_tables, gamma, logits[:, 0].argmax(-1))
         return lattice_with_copies(logits, anchor_ids, copies, top_k=cfg.selection_top_k, lam=cfg.transition_lambda,
                                    scorer=self.transition, table=self.transfer_table())
 
     def copy_lattice_scores(self, candidate_ids: Tensor, unary_logits: Tensor) -> Tensor:
-        """`build_lattice` with copy candidates: scores unary[:, :, None, :] + pair [n, N-1, K+1, K+1]
+        """`build_lattice` with copy candidates: scores unary[:, :, None, :] + pair [n, N-1, K+C, K+C]
         of the lattice the last `compute_candidates` built. candidate_ids / unary_logits
-        [n, N-1, K+1] must be that call's candidates: SGLang calls the two back to back for the same
+        [n, N-1, K+C] must be that call's candidates: SGLang calls the two back to back for the same
         rows (in the draft graph and eagerly); checked on the host (same storage, same n; no sync)."""
         n = candidate_ids.shape[0]
         pending = self._copy_pending
@@ -406,7 +407,7 @@ class DSpineDraftModel(_DFlashDraftModel):
     def _propose_with_copies(self, pred_hidden: Tensor, anchor_ids: Tensor, temperature: Tensor,
                              uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """`propose` with copy candidates from the attached history: the walk over
-        `copy_candidate_lattice` (K+1 candidates a slot)."""
+        `copy_candidate_lattice` (K+C candidates a slot)."""
         unary, ids, pair = self.copy_candidate_lattice(pred_hidden.reshape(-1, pred_hidden.shape[-1]), anchor_ids)
         tokens, q = walk_lattice(ids, unary[:, :, None, :] + pair, temperature, uniforms)
         return tokens, ids, q
@@ -415,7 +416,7 @@ class DSpineDraftModel(_DFlashDraftModel):
                 uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Transition selection for n blocks: pred_hidden [n, N-1, H] (slots 1..N-1), anchors [n],
         temperature [n] (<= 0: Viterbi), uniforms [n, N-1] -> (tokens, candidate ids, q); with
-        copy candidates (`attach_token_history`) the lattice has K+1 candidates a slot."""
+        copy candidates (`attach_token_history`) the lattice has K+C candidates a slot."""
         if self._history is not None:
             return self._propose_with_copies(pred_hidden, anchor_ids, temperature, uniforms)
         n, gamma, hidden = pred_hidden.shape

@@ -1,8 +1,8 @@
 """Copy candidates through SGLang >= 0.5.20's DFlash selector seam, on CPU against SGLang's own code.
 
-With a `SlotTokenHistory` attached, `DSpineDraftModel.compute_candidates` returns K+1 candidates a
-slot (the top-K draft candidates and the copy candidate of `selection.lattice_with_copies`),
-`candidate_selector.top_k` says K+1 (SGLang sizes its sampler's buffers with it) and
+With a `SlotTokenHistory` attached, `DSpineDraftModel.compute_candidates` returns K+C candidates a
+slot (the top-K draft candidates and one column per copy chain of `selection.lattice_with_copies`),
+`candidate_selector.top_k` says K+C (SGLang sizes its sampler's buffers with it) and
 `build_lattice` returns that lattice's scores. Checked here through SGLang 0.5.22's own
 `_SelectorDraftSampler` (the draft-graph hook) and its eager twin (`_selector_lattice` +
 `sample_path`, what `_propose_selector_block` runs):
@@ -10,7 +10,7 @@ slot (the top-K draft candidates and the copy candidate of `selection.lattice_wi
 - greedy rows propose `_propose_with_copies`'s Viterbi tokens (0.5.17's path) and the reference
   `select_tokens` with copy candidates built here from the rows' token lists (several seeds;
   rows with and without a match);
-- sampled rows return the proposal q of the K+1 lattice for the uniforms the sampler drew, against
+- sampled rows return the proposal q of the K+C lattice for the uniforms the sampler drew, against
   the PyTorch reference walk over a lattice built independently, and that q survives SGLang's
   dense scatter over the candidate ids;
 - without a history, the seam is the plain K-candidate lattice it was before.
@@ -47,6 +47,7 @@ from test_sglang_draft_model import (H, K, N, V, attached, ckpt, reference_token
 
 MAX_BS, WINDOW = 6, 32
 SEEDS = [0, 1, 2]
+C = 2                     # copy chains: the drafter's config keeps copy_rematch at its default
 
 
 def request_rows(g: torch.Generator) -> list[list[int]]:
@@ -86,8 +87,9 @@ def independent_lattice(ref, model, rows, hidden, anchors):
     cfg = model.dspine_config
     recent = [r[-WINDOW:] for r in rows]
     tokens = torch.tensor([r + [0] * (WINDOW - len(r)) for r in recent])
-    copies = copy_candidates(tokens, torch.tensor([len(r) for r in recent]), cfg, CopyTables.from_config(cfg), N - 1)
     logits = ref.logits(hidden.view(-1, N, H)[: len(rows), 1:])
+    copies = copy_candidates(tokens, torch.tensor([len(r) for r in recent]), cfg, CopyTables.from_config(cfg), N - 1,
+                             logits[:, 0].argmax(-1))
     unary, ids, pair = lattice_with_copies(logits, anchors, copies, top_k=cfg.selection_top_k,
                                            lam=cfg.transition_lambda, scorer=ref.transition, table=ref.transfer_table())
     return copies, logits, unary, ids, pair
@@ -96,9 +98,9 @@ def independent_lattice(ref, model, rows, hidden, anchors):
 def check_copies_matter(copies, ids):
     """The rows are what the tests claim: rows 0, 2, 3 have copy tokens, row 1 has none, and some
     copy token is a (K+1)-th column no top-K candidate holds (else dropping it could go unseen)."""
-    has = (copies.ids >= 0).any(-1)
+    has = (copies.ids[:, 0] >= 0).any(-1)
     assert has.tolist() == [True, False, True, True]
-    assert ((ids[..., K] == copies.ids) & (copies.ids >= 0)).any()
+    assert ((ids[..., K] == copies.ids[:, 0]) & (copies.ids[:, 0] >= 0)).any()
 
 
 # ------------------------------------------------------------------------------- greedy rows
@@ -106,7 +108,7 @@ def check_copies_matter(copies, ids):
 def test_greedy_seam_proposes_the_copy_lattice_viterbi_path(attached, seed):
     """SGLang's in-graph sampler (sampling off: greedy) and its eager path propose, for every real
     row, the tokens of `_propose_with_copies` (0.5.17's path) and of the reference `select_tokens`
-    with the same copy candidates; the buffers hold K+1 candidates a slot."""
+    with the same copy candidates; the buffers hold K+C candidates a slot."""
     model, ref = attached
     g = torch.Generator().manual_seed(seed)
     rows = request_rows(g)
@@ -117,16 +119,16 @@ def test_greedy_seam_proposes_the_copy_lattice_viterbi_path(attached, seed):
     blocks = hidden.view(n, N, H)
 
     selector = model.candidate_selector
-    assert selector.top_k == K + 1
+    assert model.dspine_config.copy_chains == C and selector.top_k == K + C
     sampler = _SelectorDraftSampler(draft_model=model, block_size=N, max_bs=MAX_BS, device="cpu",
                                     sampling_enabled=False)
-    assert sampler.candidate_out.shape == sampler.q_out.shape == (MAX_BS, N - 1, K + 1)
+    assert sampler.candidate_out.shape == sampler.q_out.shape == (MAX_BS, N - 1, K + C)
     sampler.stage_sampling_params(bs=n, sampling_info=None)
     sampler(hidden, input_ids)
     graph_tokens = sampler.out[: n * (N - 1)].view(n, N - 1)[:real]
 
     ids, scores = _selector_lattice(model, blocks[:real, 1:], anchors)   # the eager path
-    assert scores.shape == (real, N - 1, K + 1, K + 1) and scores.dtype == torch.float32
+    assert scores.shape == (real, N - 1, K + C, K + C) and scores.dtype == torch.float32
     eager_tokens, eager_q = selector.sample_path(candidate_ids=ids, scores=scores, uniforms=torch.rand(real, N - 1),
                                                  temperatures=torch.ones(real),
                                                  greedy_mask=torch.ones(real, dtype=torch.bool))
@@ -195,7 +197,7 @@ def test_build_lattice_takes_only_the_candidates_just_computed(attached):
 # ------------------------------------------------------------------------------ sampled rows
 @pytest.mark.parametrize("seed", SEEDS)
 def test_sampled_seam_returns_the_copy_lattice_proposal_q(attached, seed):
-    """Sampling on, greedy and sampled rows mixed: SGLang's in-graph sampler walks the K+1 lattice
+    """Sampling on, greedy and sampled rows mixed: SGLang's in-graph sampler walks the K+C lattice
     with the uniforms it drew, and its q rows are the reference walk's over a lattice built
     independently (reference drafter logits, copies from the token lists); the eager path gives the
     same for the same uniforms; SGLang's dense scatter of q over the candidate ids loses nothing."""

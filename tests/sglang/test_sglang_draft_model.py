@@ -614,9 +614,10 @@ def test_copy_candidates_in_the_sampler_equal_select_tokens_with_copies(attached
 
     recent = [t[-32:] for t in truth]
     rows = torch.tensor([r + [0] * (32 - len(r)) for r in recent])
-    copies = copy_candidates(rows, torch.tensor([len(r) for r in recent]), cfg, CopyTables.from_config(cfg), N - 1)
-    assert (copies.ids[0] >= 0).any() and (copies.ids[2] >= 0).any(), "the repeated spans should give copies"
     logits = ref.logits(hidden.view(n, N, H)[:3, 1:])
+    copies = copy_candidates(rows, torch.tensor([len(r) for r in recent]), cfg, CopyTables.from_config(cfg), N - 1,
+                             logits[:, 0].argmax(-1))
+    assert (copies.ids[0, 0] >= 0).any() and (copies.ids[2, 0] >= 0).any(), "the repeated spans should give copies"
     want = select_tokens(logits, input_ids.view(n, N)[:3, 0], torch.zeros(3), mode="transition",
                          top_k=cfg.selection_top_k, lam=cfg.transition_lambda, scorer=ref.transition,
                          table=ref.transfer_table(), copies=copies).tokens
