@@ -20,6 +20,7 @@ import pytest
 from conftest import JsonHandler, start_server
 
 from dspine.bench import copy_candidates as bench
+from dspine.bench import launchers
 from dspine.bench.results import BenchError
 from dspine.data.eval_sets import EVAL_SETS
 from dspine.data.traces import load_traces
@@ -115,7 +116,7 @@ def _results(inputs) -> dict:
 
 
 def test_end_to_end_schema_variant_and_table(inputs, capsys, monkeypatch):
-    monkeypatch.setattr(bench.subprocess, "run", _no_nvidia_smi)
+    monkeypatch.setattr(launchers.subprocess, "run", _no_nvidia_smi)
     launcher = FakeLauncher()
     argv = _argv(inputs, "--concurrency", "1,4", "--prompts-per-workload", "2", "--copy-set", "copy_min_match=3")
     assert bench.main(argv, launcher=launcher) == 0
@@ -262,11 +263,11 @@ def test_summary_uses_c1_for_agentic_and_the_mean_for_the_sets():
 
 
 def test_device_from_nvidia_smi_else_server_info(monkeypatch):
-    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+    monkeypatch.setattr(launchers.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
         a, 0, stdout="NVIDIA H200\nNVIDIA H200\n"))
-    assert bench.detect_device({"gpu_name": "other"}) == "NVIDIA H200"
-    monkeypatch.setattr(bench.subprocess, "run", _no_nvidia_smi)
-    assert bench.detect_device({"device": "cuda"}) == "cuda" and bench.detect_device({}) == "unknown"
+    assert launchers.detect_device({"gpu_name": "other"}) == "NVIDIA H200"
+    monkeypatch.setattr(launchers.subprocess, "run", _no_nvidia_smi)
+    assert launchers.detect_device({"device": "cuda"}) == "cuda" and launchers.detect_device({}) == "unknown"
 
 
 def test_agentic_split_and_unknown_workloads(inputs):

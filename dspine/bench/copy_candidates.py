@@ -47,7 +47,6 @@ import json
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -59,6 +58,7 @@ from dspine.bench.launchers import (
     UrlLauncher,
     add_server_arguments,
     check_server_arguments,
+    detect_device,
     launcher_for,
 )
 from dspine.bench.results import BenchError, check_schema, command_line, write_results
@@ -194,19 +194,6 @@ def server_configs(args: argparse.Namespace, variant: Path | None) -> dict[str, 
              "DSPINE-copy": swapped(str(variant)) if variant else None,
              "DFLASH": swapped(args.dflash_draft, "DFLASH") if args.dflash_draft else None}
     return {name: every[name] for name in args.configs}
-
-
-def detect_device(info: dict) -> str:
-    """The GPU name(s) from nvidia-smi, else a device field of the server's /server_info, else "unknown"."""
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=20)
-        names = sorted({line.strip() for line in done.stdout.splitlines() if line.strip()})
-    except (OSError, subprocess.SubprocessError):
-        names = []
-    if names:
-        return " + ".join(names)
-    return next((str(info[k]) for k in ("gpu_name", "device_name", "device") if info.get(k)), "unknown")
 
 
 def summary(results: dict) -> list[dict]:

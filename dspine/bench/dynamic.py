@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dspine.bench.chat_client import CHAT, completion_tokens
-from dspine.bench.launchers import ConfigLaunchers, add_server_arguments, check_server_arguments
+from dspine.bench.launchers import ConfigLaunchers, add_server_arguments, check_server_arguments, detect_device
 from dspine.bench.results import BenchError, check_schema, command_line, write_results
 from dspine.dynamic.switch import write_forced_switch, write_switch_file
 from dspine.utils.http import HttpClient, HttpError
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     configs = server_configs(args)
     launcher = ConfigLaunchers(args)
-    results = {"device": args.device, "date": datetime.date.today().isoformat(), "sglang": "unknown",
+    results = {"device": args.device or "unknown", "date": datetime.date.today().isoformat(), "sglang": "unknown",
                "command": command_line(argv), "target": args.model_path, "drafter": args.draft,
                "requests": {"file": str(args.requests), "count": len(bodies), "max_tokens": args.max_tokens},
                "switch": json.loads(Path(args.switch).read_text()) if args.switch else None,
@@ -298,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             base = launcher.start(name, flags, env)
             info = HttpClient(base, timeout=10.0, retries=0).get_or_none("/server_info") or {}
             results["sglang"] = info.get("version") or results["sglang"]
+            if results["device"] == "unknown":
+                results["device"] = detect_device(info)
             send(base, bodies[0], args.served_model, args.request_timeout, token_ids=False)   # warm-up
             for c in args.concurrency:
                 repeats = [run_level(base, bodies, c, args) for _ in range(args.repeats)]

@@ -152,7 +152,8 @@ def add_server_arguments(p: argparse.ArgumentParser, *, configs: tuple[str, ...]
     p.add_argument("--serve-script", type=Path, default=Path(".gpu/host/serve.sh"))
     p.add_argument("--port", type=int, default=30000, help="SGL_PORT for --serve-script")
     p.add_argument("--request-timeout", type=float, default=300.0)
-    p.add_argument("--device", default="NVIDIA H200", help="the servers' GPU, for the results")
+    p.add_argument("--device", default=None,
+                   help="the servers' GPU, for the results (default: detected, `detect_device`)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="results folder (default: %(default)s)")
 
 
@@ -163,3 +164,16 @@ def check_server_arguments(p: argparse.ArgumentParser, args: argparse.Namespace,
         p.error(f"unknown config(s) {sorted(unknown)}; choose from {configs}")
     if args.draft is None:
         args.draft = str(default_drafter_dir())
+
+
+def detect_device(info: dict) -> str:
+    """The GPU name(s) from nvidia-smi, else a device field of the server's /server_info, else "unknown"."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=20)
+        names = sorted({line.strip() for line in done.stdout.splitlines() if line.strip()})
+    except (OSError, subprocess.SubprocessError):
+        names = []
+    if names:
+        return " + ".join(names)
+    return next((str(info[k]) for k in ("gpu_name", "device_name", "device") if info.get(k)), "unknown")

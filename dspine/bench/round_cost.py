@@ -54,7 +54,7 @@ import sys
 from pathlib import Path
 
 from dspine.bench.chat_client import chat_body, load_prompt_mix, load_set_prompts, parity_pass, run_level
-from dspine.bench.copy_candidates import detect_device
+from dspine.bench.launchers import detect_device
 from dspine.bench.launchers import parse_urls
 from dspine.bench.parity import parity_summary, prefill_check
 from dspine.bench.results import BenchError, check_schema, command_line, write_results

@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 
 from dspine.bench.chat_client import Reply, chat_body, load_prompt_mix, parity_pass, run_level, send_with_meta
-from dspine.bench.launchers import ServeShLauncher, add_server_arguments, check_server_arguments, launcher_for
+from dspine.bench.launchers import (ServeShLauncher, add_server_arguments, check_server_arguments, detect_device,
+                                    launcher_for)
 from dspine.bench.parity import PARITY_KEYS, ceiling, parity_summary, prefill_check, reclassify
 from dspine.bench.results import BenchError, check_schema, command_line, write_results
 from dspine.utils.http import HttpClient, HttpError
@@ -77,7 +78,7 @@ def server_configs(args: argparse.Namespace) -> dict[str, list[str]]:
 
 def new_results(args: argparse.Namespace, argv: list[str] | None) -> dict:
     return {
-        "device": args.device, "date": datetime.date.today().isoformat(), "sglang": "unknown",
+        "device": args.device or "unknown", "date": datetime.date.today().isoformat(), "sglang": "unknown",
         "target": args.model_path, "drafter": args.draft, "command": command_line(argv),
         "runs": [], "ceiling": None, "parity": None,
         "settings": {"prompts": args.prompts, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
@@ -136,6 +137,8 @@ def measure_config(name: str, base: str, prompts: list[dict], args: argparse.Nam
     results["configs"].setdefault(name, {}).update(url=base, server_version=info.get("version"))
     if info.get("version"):
         results["sglang"] = info["version"]
+    if results["device"] == "unknown":
+        results["device"] = detect_device(info)
     bodies = [chat_body(p, args.served_model, args.max_tokens) for p in prompts]
     send_with_meta(base, bodies[0], args.request_timeout)  # warm-up: first-request costs
     c1: list[Reply] = []
