@@ -44,6 +44,13 @@ from dspine.model.config import DSpineConfig
 from dspine.model.selection import CopyCandidates
 
 
+def extend_history(history: Tensor, lengths: Tensor, token: Tensor) -> tuple[Tensor, Tensor]:
+    """history [bs, W] right-padded, lengths [bs], token [bs] -> (history [bs, W+1] with `token`
+    after each row's last token, lengths + 1)."""
+    grown = torch.cat([history, torch.zeros_like(history[:, :1])], 1)
+    return grown.scatter(1, lengths.long()[:, None], token.to(grown.dtype)[:, None]), lengths + 1
+
+
 class TokenHistory:
     """Each row's most recent committed tokens, right-padded: tokens [bs, H] int64, lengths [bs].
     At most `capacity` tokens a row: older ones drop out and the rest move to the front."""
@@ -67,8 +74,7 @@ class TokenHistory:
 
     def with_anchor(self, anchor_ids: Tensor) -> tuple[Tensor, Tensor]:
         """The histories with each row's anchor appended: (tokens [bs, H+1] int64, lengths [bs])."""
-        grown = torch.cat([self.tokens, torch.zeros_like(self.tokens[:, :1])], 1)
-        return grown.scatter(1, self.lengths[:, None], anchor_ids[:, None].long()), self.lengths + 1
+        return extend_history(self.tokens, self.lengths, anchor_ids)
 
     def _trim(self) -> None:
         drop = (self.lengths - self.capacity).clamp(min=0)
@@ -125,13 +131,6 @@ class CopyTables:
 # rho of a re-matched chain's first copy token when the path reaches it off the chain's entry: the
 # copy was matched after that entry, so elsewhere it is (almost) never the target's next token.
 REMATCH_OFF_ENTRY_LOG_ODDS = -30.0
-
-
-def extend_history(history: Tensor, lengths: Tensor, token: Tensor) -> tuple[Tensor, Tensor]:
-    """history [bs, W] right-padded, lengths [bs], token [bs] -> (history [bs, W+1] with `token`
-    after each row's last token, lengths + 1)."""
-    grown = torch.cat([history, torch.zeros_like(history[:, :1])], 1)
-    return grown.scatter(1, lengths.long()[:, None], token.to(grown.dtype)[:, None]), lengths + 1
 
 
 def copy_candidates(history: Tensor, lengths: Tensor, cfg: DSpineConfig, tables: CopyTables, n: int,
