@@ -47,6 +47,7 @@ from dspine.bench.chat_client import CHAT, completion_tokens
 from dspine.bench.launchers import ConfigLaunchers, add_server_arguments, check_server_arguments, detect_device
 from dspine.bench.results import BenchError, check_schema, command_line, write_results
 from dspine.dynamic.switch import write_forced_switch, write_switch_file
+from dspine.utils.atomic import write_json_atomic
 from dspine.utils.http import HttpClient, HttpError
 from dspine.utils.plot import pyplot, save_figure
 
@@ -69,11 +70,12 @@ def write_alternating_switch(folder: Path, block_size: int, plain_tokens: int) -
     again within 8 steps (probe share 0.2). For checking that outputs stay exact across switches;
     its step rates are made up, so it says nothing about speed."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "alternating-round.json").write_text(json.dumps(
-        {"sample_batch_tokens": [block_size, 8 * block_size, 32 * block_size],
-         "sample_steps_per_sec": [300.0, 250.0, 120.0], "max_batch_tokens": 32 * block_size}))
-    (folder / "alternating-plain.json").write_text(json.dumps(
-        {"sample_batch_tokens": [1, 8, 32], "sample_steps_per_sec": [300.0, 280.0, 200.0], "max_batch_tokens": 32}))
+    write_json_atomic(folder / "alternating-round.json",
+                      {"sample_batch_tokens": [block_size, 8 * block_size, 32 * block_size],
+                       "sample_steps_per_sec": [300.0, 250.0, 120.0], "max_batch_tokens": 32 * block_size})
+    write_json_atomic(folder / "alternating-plain.json",
+                      {"sample_batch_tokens": [1, 8, 32], "sample_steps_per_sec": [300.0, 280.0, 200.0],
+                       "max_batch_tokens": 32})
     path = folder / ALTERNATING_SWITCH_FILE
     write_switch_file(path, round_table="alternating-round.json", plain_table="alternating-plain.json",
                       calibration=None, prior_survival=[0.95 ** (i + 1) for i in range(block_size - 1)],
