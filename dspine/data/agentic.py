@@ -57,6 +57,53 @@ BFCL_CATEGORIES = ("base", "long_context", "miss_func", "miss_param")
 FUNCTION_LINES = (6, 40)   # functions (decorators included) of this many lines are tasks
 SESSIONS_PER_FILE = 8
 KINDS = {"rename": 0.3, "hints": 0.25, "bugfix": 0.3, "test": 0.15}
+# The user turns of each task kind: (task, final request) formats over path, name, short (the name
+# without its class), module (and old, new for a rename). Phrasing 0 is the dev traces'; training
+# conversations (`dspine.data.campaign`) draw the others, so no training turn repeats a dev turn.
+TASK_PHRASINGS = {
+    "rename": (
+        ("In `{path}`, rename `{old}` to `{new}` in `{name}` (every use inside the function, nothing else).",
+         "Show me the whole updated `{short}` so I can review it, in one ```python block."),
+        ("Please change the variable `{old}` to `{new}` throughout `{name}` (file `{path}`); leave the rest alone.",
+         "Now paste `{short}` as it reads after the edit, as a single fenced python snippet."),
+        ("`{old}` is a poor name: call it `{new}` inside `{name}` in {path}, and touch nothing outside it.",
+         "Print the full new version of `{short}` for me to check."),
+        ("Refactor `{name}` ({path}): every `{old}` becomes `{new}`. No other changes please.",
+         "Give me `{short}` in full after the rename, as python code."),
+    ),
+    "bugfix": (
+        ("The tests of `{name}` in `{path}` fail since my last change. Fix the bug in `{name}`.",
+         "That line is the bug. Output the whole corrected `{short}` in one ```python block, then one sentence on "
+         "the fix."),
+        ("Something in `{name}` ({path}) broke its tests after my edit. Can you find and repair it?",
+         "Right, that is the culprit. Paste the repaired `{short}` as a python snippet and say briefly what changed."),
+        ("CI is red for `{path}`: `{name}` misbehaves now. Track the bug down and fix it.",
+         "Good catch. Show me all of `{short}` with the fix applied, and explain it in a sentence."),
+        ("My last commit introduced a bug in `{name}` (in {path}). Please debug it.",
+         "Write out the fixed `{short}` completely, followed by a short note on the cause."),
+    ),
+    "hints": (
+        ("Add type hints and a docstring to `{name}` in `{path}`; keep its behaviour exactly.",
+         "Output the whole updated `{short}` in one ```python block with the type hints and the docstring, nothing "
+         "else."),
+        ("Annotate `{name}` from `{path}` with types and document it; its logic must not change.",
+         "Paste the annotated, documented `{short}` as python code and nothing more."),
+        ("`{name}` in {path} lacks annotations and documentation. Please add both without altering what it does.",
+         "Now print `{short}` in full with its new annotations and docstring."),
+        ("Give `{name}` (file `{path}`) proper type annotations plus a docstring.",
+         "Show the complete `{short}` after your changes, code only."),
+    ),
+    "test": (
+        ("Write a pytest test for `{name}` in `{path}`.",
+         "Write the test module now: import what it needs from `{module}` and cover the main paths of `{short}`."),
+        ("I need unit tests for `{name}` from `{path}`, using pytest.",
+         "Go ahead and write the whole test file for `{short}`, importing from `{module}`."),
+        ("Please cover `{name}` ({path}) with pytest tests.",
+         "Produce the complete test module for `{short}` (it imports from {module}), exercising its main branches."),
+        ("Can you add tests for `{name}` in {path}? We use pytest.",
+         "Now the full test file please: tests for `{short}` that import from `{module}`."),
+    ),
+}
 SYSTEM = ("You are a coding agent working in a Python repository. Tools:\n"
           "- read_file(path, start_line=None, end_line=None): the file's text (lines start_line..end_line, "
           "1-based, when given)\n"
@@ -203,11 +250,15 @@ def _window(costs: list[int], start: int, end: int, budget: int) -> tuple[int, i
     return lo, hi
 
 
-def _task(fn: Function, kind: str, rng: random.Random, shown: list[str]) -> tuple[str, list[dict], str] | None:
-    """(user task, second-round messages, final user turn) of task `kind` on `fn`; `shown` (the
-    file's lines) gets the planted bug of a bug fix. None when `fn` does not suit the kind."""
+def _task(fn: Function, kind: str, rng: random.Random, shown: list[str],
+          phrasing: int = 0) -> tuple[str, list[dict], str] | None:
+    """(user task, second-round messages, final user turn) of task `kind` on `fn`, its user turns in
+    `TASK_PHRASINGS[kind][phrasing]`; `shown` (the file's lines) gets the planted bug of a bug fix.
+    None when `fn` does not suit the kind."""
     short, body = fn.name.rsplit(".", 1)[-1], list(fn.lines[fn.start:fn.end])
-    whole = f"Output the whole updated `{short}` in one ```python block"
+    module = fn.path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+    fields = dict(path=fn.path, name=fn.name, short=short, module=module)
+    ask, final = TASK_PHRASINGS[kind][phrasing]
     if kind == "rename":
         olds = [n for n in fn.names if len(n) > 1 and not n.startswith("_")]
         rng.shuffle(olds)
@@ -220,9 +271,7 @@ def _task(fn: Function, kind: str, rng: random.Random, shown: list[str]) -> tupl
                               f"Renaming `{old}` to `{new}` in `{short}`:\n```python\n{new_text}\n```"),
                         {"role": "tool", "tool_call_id": "call_2",
                          "content": f"Edited {fn.path}: replaced lines {fn.start + 1}-{fn.end}."}]
-                return (f"In `{fn.path}`, rename `{old}` to `{new}` in `{fn.name}` (every use inside the function, "
-                        "nothing else).", edit, f"Show me the whole updated `{short}` so I can review it, in one "
-                                                "```python block.")
+                return ask.format(old=old, new=new, **fields), edit, final.format(**fields)
         return None
     if kind == "bugfix":
         sites = [(i, pat, rep) for i in fn.code_lines for pat, rep in MUTATIONS if re.search(pat, fn.lines[i])]
@@ -235,24 +284,19 @@ def _task(fn: Function, kind: str, rng: random.Random, shown: list[str]) -> tupl
                                        code=shown[i].strip())
         tests = [_call("call_2", "run_tests", {"path": test}, f"Running `{test}`."),
                  {"role": "tool", "tool_call_id": "call_2", "content": report}]
-        return (f"The tests of `{fn.name}` in `{fn.path}` fail since my last change. Fix the bug in `{fn.name}`.",
-                tests, f"That line is the bug. {whole.replace('updated', 'corrected')}, then one sentence on the fix.")
-    if kind == "hints":
-        return (f"Add type hints and a docstring to `{fn.name}` in `{fn.path}`; keep its behaviour exactly.", [],
-                f"{whole} with the type hints and the docstring, nothing else.")
-    module = fn.path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
-    return (f"Write a pytest test for `{fn.name}` in `{fn.path}`.", [],
-            f"Write the test module now: import what it needs from `{module}` and cover the main paths of `{short}`.")
+        return ask.format(**fields), tests, final.format(**fields)
+    return ask.format(**fields), [], final.format(**fields)
 
 
 def coding_session(fn: Function, kind: str, rng: random.Random, counter: TokenCounter, costs: dict,
                    neighbours: list[tuple[str, tuple[str, ...]]], target: int,
-                   limits: tuple[int, int]) -> Made | None:
+                   limits: tuple[int, int], phrasing: int = 0) -> Made | None:
     """One session on `fn` sized to about `target` tokens (`costs`: path -> per-line token counts,
-    filled on demand; `neighbours`: (path, lines) read first when the file alone is too short).
-    (request, context tokens), or None when the kind does not suit `fn` or the length misses `limits`."""
+    filled on demand; `neighbours`: (path, lines) read first when the file alone is too short), its
+    user turns in `TASK_PHRASINGS[kind][phrasing]`. (request, context tokens), or None when the
+    kind does not suit `fn` or the length misses `limits`."""
     shown = list(fn.lines)
-    if (task := _task(fn, kind, rng, shown)) is None:
+    if (task := _task(fn, kind, rng, shown, phrasing)) is None:
         return None
     user, second, final = task
 
@@ -287,9 +331,11 @@ def coding_session(fn: Function, kind: str, rng: random.Random, counter: TokenCo
 
 
 def coding_requests(counter: TokenCounter, per_split: int, seed: int = 0, packages: Iterable[str] = SOURCE_PACKAGES,
-                    limits: tuple[int, int] = LIMITS) -> list[Made]:
+                    limits: tuple[int, int] = LIMITS, phrasings: tuple[int, ...] = (0,)) -> list[Made]:
     """Coding-agent sessions, at most `per_split` per split, at most SESSIONS_PER_FILE per file:
-    functions in a `seed`-shuffled order, a task kind and a length target drawn per function."""
+    functions in a `seed`-shuffled order, a task kind and a length target drawn per function, and
+    the user turns' phrasing among `phrasings` (from a generator of its own, so the other draws do
+    not depend on it)."""
     functions = source_functions(packages)
     files = {fn.path: fn.lines for fn in functions}  # path order
     rng = random.Random(seed)
@@ -305,7 +351,8 @@ def coding_requests(counter: TokenCounter, per_split: int, seed: int = 0, packag
         neighbours = (package[at + 1:] + package[:at])[:3]
         kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
         target = rng.randint(limits[0] + 150, limits[1] - 250)
-        made = coding_session(fn, kind, rng, counter, costs, neighbours, target, limits)
+        phrasing = random.Random(f"{seed}:{fn.path}:{fn.name}").choice(phrasings)
+        made = coding_session(fn, kind, rng, counter, costs, neighbours, target, limits, phrasing)
         if made and kept[made[0].split] < per_split:
             kept[made[0].split] += 1
             per_file[fn.path] = per_file.get(fn.path, 0) + 1
