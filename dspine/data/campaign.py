@@ -1,7 +1,7 @@
 """A training campaign's conversations: long, multi-turn, tool and code conversations at scale, the
 input of `dspine gen-data --prompts` (every assistant turn blank: the target regenerates each one).
 
-    python -m dspine.data.campaign runs/data/campaign.jsonl --coding-sessions 24000
+    python -m dspine.data.campaign runs/data/campaign.jsonl --coding-sessions 30000
 
 Sources, in this order in the file (ids unique, deterministic for a seed on one machine's installs):
 
@@ -48,7 +48,9 @@ CODING_LIMITS = (1024, 7168)   # context tokens of a coding session (SmolLM2's c
 STDLIB_PACKAGES = ("asyncio", "collections", "concurrent", "ctypes", "email", "encodings", "html", "http",
                    "importlib", "json", "logging", "multiprocessing", "tomllib", "unittest", "urllib", "wsgiref",
                    "xml", "xmlrpc", "zoneinfo")
-DEPENDENCY_PACKAGES = ("jinja2", "numpy", "safetensors", "tokenizers", "torch", "tqdm", "transformers")
+DEPENDENCY_PACKAGES = ("filelock", "fsspec", "gguf", "huggingface_hub", "jinja2", "networkx", "numpy", "packaging",
+                       "requests", "safetensors", "sympy", "tokenizers", "torch", "tqdm", "transformers", "urllib3",
+                       "yaml")   # dspine's dependencies and theirs
 CODE_PACKAGES = STDLIB_PACKAGES + DEPENDENCY_PACKAGES
 SOURCES = ("sharegpt", "coding", "tools", "synthetic")
 
@@ -176,15 +178,16 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m dspine.data.campaign", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example (then gen-data on the GPU host, greedy and sampled):\n"
-               "  python -m dspine.data.campaign runs/data/campaign.jsonl --coding-sessions 24000 \\\n"
+               "  python -m dspine.data.campaign runs/data/campaign.jsonl --coding-sessions 30000 \\\n"
                "      --heldout-traces .gpu-dspine/agentic/agentic_coding.jsonl "
                ".gpu-dspine/agentic/agentic_sharegpt.jsonl\n"
                "  dspine gen-data --prompts runs/data/campaign.jsonl --out runs/data/greedy.jsonl \\\n"
                "      --server http://127.0.0.1:30000 --concurrency 256 --max-new-tokens 512 --max-len 8192 --resume\n")
     p.add_argument("out", type=Path, help="the campaign file to write (.jsonl; a manifest is written beside it)")
-    p.add_argument("--coding-sessions", type=int, default=24000,
-                   help="coding-agent sessions over the standard library and dspine's dependencies (default 24000; "
-                        "~16 KB each, ~2 KB xz-compressed; ~2 minutes per 1000 on one core)")
+    p.add_argument("--coding-sessions", type=int, default=30000,
+                   help="coding-agent sessions over the standard library and dspine's dependencies, at most "
+                        "(default 30000; the functions of the packages installed here may run out first; ~16 KB "
+                        "each, ~2 KB xz-compressed)")
     p.add_argument("--synthetic", type=int, default=16000, help="templated code/math prompts (default 16000)")
     p.add_argument("--seed", type=int, default=0, help="draws of functions, task kinds and lengths (default 0)")
     p.add_argument("--heldout-traces", nargs="*", default=None, metavar="FILE",
