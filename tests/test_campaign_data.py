@@ -108,6 +108,12 @@ def test_build_is_deterministic_decontaminated_and_readable_by_gen_data(tmp_path
     assert saved["sha256"] == manifest["sha256"] and saved["file"] == "c.jsonl"
 
 
+def test_package_versions_name_the_distribution_a_package_comes_from():
+    versions = campaign.package_versions(("json", "yaml"))
+    assert versions["json"].startswith("python ")
+    assert versions["yaml"].lower().startswith("pyyaml ") and versions["yaml"][7:][:1].isdigit()
+
+
 def test_cli_refuses_a_name_gen_data_would_misread(tmp_path, capsys):
     with pytest.raises(SystemExit):
         campaign.main([str(tmp_path / "c.json")])

@@ -25,10 +25,8 @@ the context lengths, the packages' versions and the file's sha256.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
 import importlib.util
-import json
 import math
 import platform
 import sys
@@ -41,7 +39,7 @@ from dspine.data.conversations import Conversation, parse_conversation
 from dspine.data.dev_traces import bfcl_multiturn_requests, tooltalk_requests
 from dspine.data.prompt_sources import synthetic_prompts
 from dspine.data.sharegpt import MIN_ASCII_RATIO, iter_sharegpt, sharegpt_split
-from dspine.data.traces import SHAREGPT_ROLES, TraceRequest
+from dspine.data.traces import SHAREGPT_ROLES, TraceRequest, file_sha256
 from dspine.utils.atomic import write_json_atomic, write_jsonl_atomic
 
 CODING_LIMITS = (1024, 7168)   # context tokens of a coding session (SmolLM2's count); gen-data --max-len 8192
@@ -123,13 +121,19 @@ def parsed(records: Iterable[dict]) -> list[Conversation]:
 
 
 def package_versions(packages: Iterable[str]) -> dict[str, str]:
-    """Version of each dependency package's distribution; the standard library's by Python's."""
+    """Version of the distribution each package is imported from ("yaml" -> PyYAML's), the standard
+    library's by Python's."""
+    dists = importlib.metadata.packages_distributions()
     out = {}
     for p in packages:
+        if p in STDLIB_PACKAGES:
+            out[p] = f"python {platform.python_version()}"
+            continue
+        names = dists.get(p) or [p]
         try:
-            out[p] = importlib.metadata.version(p)
+            out[p] = f"{names[0]} {importlib.metadata.version(names[0])}"
         except importlib.metadata.PackageNotFoundError:
-            out[p] = f"python {platform.python_version()}" if p in STDLIB_PACKAGES else "not installed"
+            out[p] = "not installed"
     return out
 
 
@@ -161,7 +165,7 @@ def build(out: Path, *, coding_sessions: int, synthetic: int, seed: int, trace_f
                 records.append(r)
     write_jsonl_atomic(out, records)
     manifest = {
-        "file": out.name, "sha256": hashlib.sha256(out.read_bytes()).hexdigest(), "conversations": len(records),
+        "file": out.name, "sha256": file_sha256(out), "conversations": len(records),
         "per_source": {s: sum(r["id"] in kept_ids for r in by_source[s]) for s in SOURCES},
         "dropped_by_decontamination": dropped, "heldout_trace_files": files,
         "coding_context_tokens": percentiles(coding_tokens), "token_count": counter.method,
