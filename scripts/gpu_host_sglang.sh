@@ -11,6 +11,7 @@
 #   dspine_train_env                                  # (in a subshell) host torch/transformers, GGUF target
 #   dspine_bg NAME 'shell command'                    # run in the background, outliving the call
 #   dspine_wait NAME SECONDS                          # wait for it; prints its status and log tail
+#   dspine_collect DIR [FIRST]                        # DIR's files into $OUT, within a call's limits
 #
 # Only the `dspine` package goes on SGLang's path (a link in /tmp/dspine-src), not the repository
 # root. SGLang finds plugins through entry points, so a two-file dist-info beside the link stands in
@@ -76,3 +77,27 @@ dspine_wait() {
   return "$(cat "$DSPINE_LOGS/$name.status")"
 }
 
+
+dspine_collect() {
+  # A call brings back at most 8 files of 16 MiB from $OUT. DIR's files go there as they are when they
+  # fit (8 files, each < 16 MiB, at most two folders down); otherwise DIR goes as one xz tar in checked
+  # 15 MiB pieces (dspine.utils.pieces: manifest first, then pieces FIRST.. up to the limit), and the
+  # next call, while the host is warm, takes the rest with FIRST = the next piece's number. Here:
+  # `python -m dspine.utils.pieces join FOLDER DIR.tar.xz --name DIR.tar.xz`, then `tar xJf`.
+  local dir=${1%/} first=${2:-0} name pack n files
+  [ -d "$dir" ] || { echo "dspine_collect: no folder $dir" >&2; return 1; }
+  files=$(find "$dir" -type f | wc -l)
+  if (( files <= 8 )) && [ -z "$(find "$dir" -type f -size +15M)" ] && [ -z "$(find "$dir" -mindepth 3 -type f)" ]; then
+    cp -r "$dir"/. "$OUT"/ && echo "dspine_collect: $files files of $dir in OUT"; return
+  fi
+  name=$(basename "$dir").tar.xz pack=/tmp/dspine-collect/$(basename "$dir")
+  if [ ! -s "$pack/$name.pieces.json" ]; then
+    rm -rf "$pack" && mkdir -p "$pack"
+    tar -C "$(dirname "$dir")" -cf - "$(basename "$dir")" | xz -T0 -6 > "/tmp/dspine-collect/$name"
+    python3 -m dspine.utils.pieces split "/tmp/dspine-collect/$name" "$pack" --max-mib 15 > /dev/null || return 1
+  fi
+  n=$(find "$pack" -name "$name.part*" | wc -l)
+  cp "$pack/$name.pieces.json" "$OUT/"
+  find "$pack" -name "$name.part*" | sort | tail -n "+$((first + 1))" | head -n 7 | xargs -r cp -t "$OUT/"
+  echo "dspine_collect: $dir as $n pieces of $name; this call pieces $first..$(( first + 7 < n ? first + 6 : n - 1 ))$( (( first + 7 < n )) && echo "; next call: dspine_collect $dir $((first + 7))")"
+}

@@ -17,7 +17,8 @@
 # 1. an AR server of the target; gen-data greedy (every prompt) and sampled (the first SAMPLED_PROMPTS)
 #    as two clients at once; the server stops; the two files join into OUT/data.jsonl. With
 #    DSPINE_DATA=FILE (.jsonl or .jsonl.gz, e.g. an earlier run's OUT/data.jsonl.gz) that file is the
-#    data instead: no server, no generation (~7 minutes less).
+#    data instead: no server, no generation (~7 minutes less). DSPINE_TRAIN_SET='KEY=VALUE ...' sets
+#    top-level training fields of both runs alike (a campaign's data: 'max_len=8192 blocks_per_seq=64').
 # 2. scripts/train_pair.py: the DSpine drafter (or VARIANT) and the ablation, one process each, sharing the GPU.
 # 3. bench-accept, one process per drafter (32 prompts per set, 160 new tokens, T=0 and T=1; greedy
 #    parity checked for DSpine), merged into OUT/acceptance_smollm2.json; a third process measures the
@@ -62,6 +63,7 @@ if [ -n "$VARIANT" ]; then
   NAME=dspine-$VARIANT
 fi
 COMMON=(--steps "$STEPS" --data "$OUT/data.jsonl" --work /tmp/dspine-run --out-dir "$OUT")
+for kv in ${DSPINE_TRAIN_SET:-}; do COMMON+=(--set "$kv"); done
 python3 scripts/train_pair.py "${DSPINE_RUN[@]}" "${COMMON[@]}" > "$OUT/train-dspine.log" 2>&1 &
 dspine_pid=$!
 python3 scripts/train_pair.py train-ablation "${COMMON[@]}" > "$OUT/train-ablation.log" 2>&1

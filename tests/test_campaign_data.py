@@ -106,6 +106,9 @@ def test_build_is_deterministic_decontaminated_and_readable_by_gen_data(tmp_path
     assert not any(question in t for c in conversations for t in c.user_texts())
     saved = json.loads((tmp_path / "c.jsonl.manifest.json").read_text())
     assert saved["sha256"] == manifest["sha256"] and saved["file"] == "c.jsonl"
+    # a seeded order, not source by source (a campaign regenerates the file range by range)
+    sources = [json.loads(line)["source"] for line in (tmp_path / "c.jsonl").read_text().splitlines()]
+    assert sources != sorted(sources, key=campaign.SOURCES.index)
 
 
 def test_package_versions_name_the_distribution_a_package_comes_from():

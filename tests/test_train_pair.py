@@ -11,7 +11,7 @@ from dspine.train import pair
 
 
 def _args(**kw):
-    base = {"data": "d.jsonl", "work": "/w", "variant": None, "drafter_set": []}
+    base = {"data": "d.jsonl", "work": "/w", "variant": None, "drafter_set": [], "set": []}
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -45,3 +45,15 @@ def test_settings_without_a_variant_or_on_the_ablation_are_refused(capsys):
     with pytest.raises(SystemExit):
         pair.main(["train-ablation", *common, "--variant", "x"])
     assert "belong to train-dspine" in capsys.readouterr().err
+
+
+def test_campaign_settings_reach_both_runs_alike_and_only_top_level_ones_are_taken(capsys):
+    settings = ["max_len=8192", "blocks_per_seq=64"]
+    (_, dspine), (_, ablation) = (pair.build_config(n, _args(set=settings), 100) for n in ("dspine", "ablation"))
+    assert (dspine.max_len, dspine.blocks_per_seq) == (ablation.max_len, ablation.blocks_per_seq) == (8192, 64)
+    assert dspine.steps == ablation.steps == 100
+    common = ["--data", "d", "--work", "w", "--out-dir", "o", "--steps", "5"]
+    for bad, message in [("drafter.injection=false", "--drafter-set"), ("steps=9", "as --steps")]:
+        with pytest.raises(SystemExit):
+            pair.main(["train-ablation", *common, "--set", bad])
+        assert message in capsys.readouterr().err

@@ -3,7 +3,9 @@ input of `dspine gen-data --prompts` (every assistant turn blank: the target reg
 
     python -m dspine.data.campaign runs/data/campaign.jsonl --coding-sessions 30000
 
-Sources, in this order in the file (ids unique, deterministic for a seed on one machine's installs):
+Sources (ids unique; the file deterministic for a seed on one machine's installs, its conversations in
+a seeded random order, so any range of it holds every source in proportion: a campaign regenerates
+the file range by range, a range per GPU session):
 
 * `sharegpt`: every ShareGPT V3 train-split thread whole (split parts joined, `agentic.whole_threads`),
   mostly ASCII, every turn; the held-out evaluation split never appears.
@@ -29,6 +31,7 @@ import importlib.metadata
 import importlib.util
 import math
 import platform
+import random
 import sys
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -163,6 +166,7 @@ def build(out: Path, *, coding_sessions: int, synthetic: int, seed: int, trace_f
             if r["id"] in kept_ids and r["id"] not in seen:
                 seen.add(r["id"])
                 records.append(r)
+    random.Random(seed).shuffle(records)
     write_jsonl_atomic(out, records)
     manifest = {
         "file": out.name, "sha256": file_sha256(out), "conversations": len(records),

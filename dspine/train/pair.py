@@ -15,6 +15,11 @@ With a fixed step count both can train at once, one process each (resumable, `--
   python scripts/train_pair.py train-dspine --steps N --data D --work W --out-dir O --time-limit 540 &
   python scripts/train_pair.py train-ablation --steps N --data D --work W --out-dir O --time-limit 540
 
+A campaign's settings apply to both runs alike (`--set KEY=VALUE`, top-level config fields only, so
+the two drafters still differ in nothing but their `drafter` switches), e.g. long multi-turn data:
+
+  python scripts/train_pair.py train-dspine --steps N ... --set max_len=8192 --set blocks_per_seq=64
+
 A DSpine variant against the same ablation (same data, steps, seed; only the named fields differ),
 e.g. a wider injection, writes train_log_dspine-top16.json and ckpt_dspine-top16:
 
@@ -64,7 +69,8 @@ def build_config(name: str, args, steps: int) -> tuple[str, TrainConfig]:
     """(run name, config): the DSpine run takes `--variant`/`--drafter-set` (a variant trains in
     WORK/dspine-VARIANT and reports as dspine-VARIANT, beside the unchanged pair)."""
     run = f"{name}-{args.variant}" if args.variant else name
-    cfg = TrainConfig.from_yaml(config_path(name), data=args.data, run_dir=str(Path(args.work) / run), steps=steps)
+    cfg = TrainConfig.from_yaml(config_path(name), args.set, data=args.data, run_dir=str(Path(args.work) / run),
+                                steps=steps)
     cfg.drafter.update(drafter_settings(args.drafter_set))
     return run, cfg
 
@@ -101,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafter-set", action="append", default=[], metavar="KEY=JSON",
                    help="train-dspine with --variant: override a drafter config field (repeatable), e.g. "
                         "injection_top_k=16 or transfer_rank=128")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a top-level training config field for this run, given to both runs of a pair alike "
+                        "(repeatable), e.g. max_len=8192 or blocks_per_seq=64; drafter fields: --drafter-set")
     p.add_argument("--steps", type=int, default=None,
                    help="train-dspine: required; train-ablation: the DSpine run's step count (default: the "
                         "probe's, from --work/steps.json)")
@@ -109,10 +118,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--variant and --drafter-set belong to train-dspine (the ablation and the probe stay as configured)")
     if args.drafter_set and not args.variant:
         p.error("--drafter-set needs --variant NAME, so the changed drafter does not overwrite the pair's")
+    for item in args.set:
+        key = item.partition("=")[0]
+        if key.startswith("drafter"):
+            p.error(f"--set {item}: --set is for top-level fields, which both runs share; a drafter field "
+                    f"belongs to a DSpine variant: --variant NAME --drafter-set KEY=JSON")
+        if key in ("steps", "data", "run_dir"):
+            p.error(f"--set {item}: give {key} as --{key.replace('_', '-') if key != 'run_dir' else 'work'}")
     steps_file = Path(args.work) / "steps.json"
     if args.phase == "probe-and-train-dspine":
-        probe = TrainConfig.from_yaml(config_path("dspine"), data=args.data, run_dir=str(Path(args.work) / "probe"),
-                                      steps=25, log_every=5, eval_every=1000, save_every=1000)
+        probe = TrainConfig.from_yaml(config_path("dspine"), args.set, data=args.data,
+                                      run_dir=str(Path(args.work) / "probe"))
+        probe.steps, probe.log_every, probe.eval_every, probe.save_every = 25, 5, 1000, 1000
         train(probe, device="cuda", progress=False)
         log = json.loads((Path(probe.run_dir) / "log.json").read_text())
         step_s = sorted(e["step_seconds"] for e in log[1:])[len(log[1:]) // 2]
