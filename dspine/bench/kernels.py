@@ -12,6 +12,7 @@ lower bound) for the verify-inclusive ratio. Achieved GB/s are against the fewes
 must move, next to a measured device copy.
 
 GPU host:  python scripts/bench_kernels.py --out-dir OUT                (< 5 min on an H200)
+           python scripts/bench_kernels.py --out-dir OUT --only suffix_match   (one kernel, < 1 min)
 CPU check: TRITON_INTERPRET=1 python scripts/bench_kernels.py --cpu-smoke (tiny shapes, interpreter)
 
 Writes kernels_h200.json (schema in `Run`), kernels_h200.png and kernels_h200_details.json (config
@@ -35,7 +36,7 @@ from dspine.bench.kernels_harness import Run, Settings
 from dspine.bench.kernels_injection import injection_bytes, injection_cases
 from dspine.bench.kernels_report import plot, print_table, targets
 from dspine.bench.kernels_round import round_section, verify_section
-from dspine.bench.kernels_selection import selection_cases
+from dspine.bench.kernels_selection import selection_cases, suffix_match_case
 from dspine.bench.results import command_line
 from dspine.kernels import dispatch
 
@@ -51,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stop starting optional work after this many seconds (default 270, quick 150)")
     p.add_argument("--reps", type=int, default=None, help="timed samples per case (median; default 50)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile baselines (compile_ms null)")
+    p.add_argument("--only", choices=["suffix_match"], default=None,
+                   help="time only this kernel, at every shape and batch size (no sweep, round or verify)")
     return p.parse_args(argv)
 
 
@@ -111,11 +114,16 @@ def main(argv: list[str] | None = None) -> int:
         run.results["copy_bandwidth_gbs"] = round(run.copy_bandwidth_gbs(), 1)
         run.log(f"copy bandwidth {run.results['copy_bandwidth_gbs']} GB/s")
         run.save()
-        best: dict = {}
-        for name, shape in cfg.shapes.items():
-            shape_sections(run, name, shape, best)
-        run.log("== torch.compile baselines")
-        run.run_compiles()
+        if args.only == "suffix_match":
+            for name in cfg.shapes:
+                for bs in cfg.batches:
+                    suffix_match_case(run, name, bs)
+        else:
+            best: dict = {}
+            for name, shape in cfg.shapes.items():
+                shape_sections(run, name, shape, best)
+            run.log("== torch.compile baselines")
+            run.run_compiles()
     targets(run)
     plot(run)
     run.save()

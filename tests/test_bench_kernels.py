@@ -1,0 +1,27 @@
+"""`scripts/bench_kernels.py --only suffix_match` on CPU (--cpu-smoke: tiny shapes, the Triton
+interpreter): the copy candidates' suffix match alone, timed and checked against its reference at
+every shape and batch size, nothing else measured."""
+
+import json
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is built
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from dspine.bench import kernels as bench  # noqa: E402
+
+
+def test_only_suffix_match_times_that_kernel_alone(tmp_path):
+    assert bench.main(["--cpu-smoke", "--only", "suffix_match", "--out-dir", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "kernels_h200.json").read_text())
+    details = json.loads((tmp_path / "kernels_h200_details.json").read_text())
+    cases = {(c["name"], c["shape"], c["bs"]) for c in results["cases"]}
+    assert cases == {("suffix_match", shape, bs) for shape in ("tiny-a", "tiny-b") for bs in (1, 2)}
+    assert all(c["triton_ms"] > 0 and c["eager_ms"] > 0 for c in results["cases"])
+    assert results["round"] == [] and results["verify"] == []
+    checks = [c for c in details["correctness"] if c["kernel"] == "suffix_match"]
+    assert len(checks) == 4 and all(c["ok"] for c in checks)
+    assert "--only suffix_match" in results["command"]
