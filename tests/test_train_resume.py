@@ -82,3 +82,38 @@ def test_another_runs_state_is_refused_or_warm_started(tmp_path, tiny_target_dir
     assert note["from_step"] == 5 and any(d.startswith("config lr") for d in note["differences"])
     assert any(d.startswith("data:") for d in note["differences"])
     assert final_state(run)["step"] == 7 and final_state(run)["log"][0]["step"] == 5   # a new log from step 0
+
+
+def test_a_travel_state_resumes_the_same_run_with_fresh_moments(tmp_path, tiny_target_dir, capsys):  # noqa: F811
+    """A run stopped at step 5 and carried as a travel state continues at step 5 with its log, RNG and
+    data position; only AdamW's moments restart, so its steps from there follow a fresh optimizer."""
+    from dspine.train import resume
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    trainer.train(_config(tmp_path / "a", tiny_target_dir, steps=5), device="cpu", progress=False)
+    full = tmp_path / "a" / "run" / "state.pt"
+    lean = tmp_path / "b" / "state.pt"
+    assert resume.main(["travel", str(full), str(lean)]) == 0
+    carried = torch.load(lean, weights_only=False)
+    assert "optimizer" not in carried and carried["step"] == 5
+    assert lean.stat().st_size < full.stat().st_size
+    run = tmp_path / "b" / "run"
+    run.mkdir()
+    lean.rename(run / "state.pt")
+    (run / "run_key.json").write_text((tmp_path / "a" / "run" / "run_key.json").read_text())
+    cfg = _config(tmp_path / "b", tiny_target_dir, steps=10)
+    trainer.train(cfg, device="cpu", progress=False)
+    assert "AdamW's moments restart at step 5" in capsys.readouterr().out
+    state = final_state(run)
+    assert state["step"] == 10
+    assert state["log"][: len(carried["log"])] == carried["log"]              # the same run's log, continued
+    assert state["optimizer"]["state"][0]["step"] == 5                         # moments counted from the restart
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_travel_refuses_what_is_not_a_training_state(tmp_path):
+    from dspine.train import resume
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "x.pt")
+    with pytest.raises(SystemExit):
+        resume.main(["travel", str(tmp_path / "x.pt"), str(tmp_path / "out.pt")])
+    assert not (tmp_path / "out.pt").exists()

@@ -297,7 +297,11 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
         model.load_state_dict(state["model"])
         if mode == "resume":
             resume.check(state.get("key"), key, state_file=state_file, warm_start=False)  # the state itself too
-            opt.load_state_dict(state["optimizer"])
+            if "optimizer" in state:
+                opt.load_state_dict(state["optimizer"])
+            elif dist.main:
+                print(f"dspine train: {state_file} is a travel state (no optimizer): AdamW's moments restart "
+                      f"at step {state['step']}")
             step, log = state["step"], state["log"]
             resume.restore_rng(state["rng"])
         elif dist.main:
