@@ -16,8 +16,8 @@ from dspine.bench import kernels as bench  # noqa: E402
 
 def test_only_suffix_match_times_that_kernel_alone(tmp_path):
     assert bench.main(["--cpu-smoke", "--only", "suffix_match", "--out-dir", str(tmp_path)]) == 0
-    results = json.loads((tmp_path / "kernels_h200.json").read_text())
-    details = json.loads((tmp_path / "kernels_h200_details.json").read_text())
+    results = json.loads((tmp_path / "kernels_cpu.json").read_text())
+    details = json.loads((tmp_path / "kernels_cpu_details.json").read_text())
     cases = {(c["name"], c["shape"], c["bs"]) for c in results["cases"]}
     assert cases == {("suffix_match", shape, bs) for shape in ("tiny-a", "tiny-b") for bs in (1, 2)}
     assert all(c["triton_ms"] > 0 and c["eager_ms"] > 0 for c in results["cases"])
@@ -25,3 +25,11 @@ def test_only_suffix_match_times_that_kernel_alone(tmp_path):
     checks = [c for c in details["correctness"] if c["kernel"] == "suffix_match"]
     assert len(checks) == 4 and all(c["ok"] for c in checks)
     assert "--only suffix_match" in results["command"]
+
+
+@pytest.mark.parametrize("name, slug", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                        ("NVIDIA A100-SXM4-80GB", "a100"), ("cpu (Triton interpreter smoke run)", "cpu"),
+                                        ("NVIDIA GeForce RTX 4090", "nvidia-geforce-rtx-4090")])
+def test_result_files_are_named_after_the_device_measured(name, slug):
+    from dspine.bench.results import device_slug
+    assert device_slug(name) == slug

@@ -15,7 +15,8 @@ GPU host:  python scripts/bench_kernels.py --out-dir OUT                (< 5 min
            python scripts/bench_kernels.py --out-dir OUT --only suffix_match   (one kernel, < 1 min)
 CPU check: TRITON_INTERPRET=1 python scripts/bench_kernels.py --cpu-smoke (tiny shapes, interpreter)
 
-Writes kernels_h200.json (schema in `Run`), kernels_h200.png and kernels_h200_details.json (config
+Writes kernels_<device>.json (schema in `Run`; <device> e.g. h200, h100, or cpu for --cpu-smoke),
+kernels_<device>.png and kernels_<device>_details.json (config
 sweep, correctness checks, compile times, errors) to --out-dir (default benchmarks/results; a
 temporary folder with --cpu-smoke), rewriting them after every measurement so a timeout still
 leaves results. Modules: kernels_harness (settings, timing, result files), kernels_injection,

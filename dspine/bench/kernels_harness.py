@@ -1,9 +1,10 @@
 """The kernel benchmark's run: settings from the command line, CUDA-graph timing, the result files.
 
 `Settings` holds what a run measures (shapes, batch sizes, sweep variants: the CPU smoke run's tiny
-versions with --cpu-smoke); `Run` holds what it found (`results`, written to kernels_h200.json, and
-`details`, to kernels_h200_details.json, both rewritten atomically after every measurement so a
-timeout still leaves results) and the budget clock.
+versions with --cpu-smoke); `Run` holds what it found (`results`, written to kernels_<device>.json, and
+`details`, to kernels_<device>_details.json, both rewritten atomically after every measurement so a
+timeout still leaves results; <device> is `results.device_slug` of the GPU's name, e.g. h200, or cpu)
+and the budget clock.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ from pathlib import Path
 
 import torch
 
-from dspine.bench.results import DEFAULT_OUT_DIR
+from dspine.bench.results import DEFAULT_OUT_DIR, device_slug
 from dspine.utils.atomic import write_json_atomic
 
 GB = 1e9
-RESULTS_FILE, DETAILS_FILE, PLOT_FILE = "kernels_h200.json", "kernels_h200_details.json", "kernels_h200.png"
 SHAPES = {  # drafter = target shapes; transfer rank 256, injection/selection top-k 8, blocks of 16
     "qwen3-8b": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, vocab=151936, ffn=12288, target_layers=36),
     "smollm2-135m": dict(hidden=576, heads=9, kv_heads=3, head_dim=64, vocab=49152, ffn=1536, target_layers=30),
@@ -137,13 +137,15 @@ class Run:
     details: dict = field(default_factory=dict)
     compiled: dict = field(default_factory=dict)
     pending: list = field(default_factory=list)   # torch.compile baselines, run last, most important first
+    stem: str = field(default="", init=False)      # kernels_<device>: the result files' name
 
     def __post_init__(self) -> None:
         device = (torch.cuda.get_device_name() if self.cfg.device.type == "cuda"
                   else "cpu (Triton interpreter smoke run)")
         provenance = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds"), "torch": torch.__version__, "triton": _triton_version(), "command": self.command}
-        # RESULTS (kernels_h200.json): provenance, "copy_bandwidth_gbs",
+        self.stem = f"kernels_{device_slug(device)}"
+        # RESULTS (<stem>.json): provenance, "copy_bandwidth_gbs",
         #   "cases": [{"name", "shape", "bs", "triton_ms", "eager_ms", "compile_ms" (null: not compiled or
         #              failed), "gbs" (bytes floor of the case / triton_ms)}],
         #   "round": [{"shape", "bs", "dspine_ms", "ablation_ms", "dspine_first_layer_ms"}],
@@ -166,8 +168,8 @@ class Run:
         return self.cfg.budget_s - (time.time() - self.start)
 
     def save(self) -> None:
-        write_json_atomic(self.cfg.out_dir / RESULTS_FILE, self.results, indent=1)
-        write_json_atomic(self.cfg.out_dir / DETAILS_FILE, self.details, indent=1)
+        write_json_atomic(self.cfg.out_dir / f"{self.stem}.json", self.results, indent=1)
+        write_json_atomic(self.cfg.out_dir / f"{self.stem}_details.json", self.details, indent=1)
 
     def record_error(self, where: str, exc: BaseException) -> None:
         self.log(f"ERROR in {where}: {type(exc).__name__}: {exc}")

@@ -1,11 +1,11 @@
 """Kernel benchmark, the summary: the goals met or not (results["targets"]), the table printed at
-the end, and the plot (kernels_h200.png)."""
+the end, and the plot (kernels_<device>.png)."""
 
 from __future__ import annotations
 
 import json
 
-from dspine.bench.kernels_harness import GB, PLOT_FILE, Run
+from dspine.bench.kernels_harness import GB, Run
 from dspine.bench.kernels_injection import injection_bytes
 from dspine.utils.plot import pyplot, save_figure
 
@@ -129,6 +129,6 @@ def plot(run: Run) -> None:
         ax.set_title(f"draft round (5 layers + lm_head + selection), context {run.cfg.context}")
         ax.legend(fontsize=8)
         fig.suptitle(f"DSpine kernels on {results['device']} (copy {results['copy_bandwidth_gbs']} GB/s)")
-        save_figure(fig, run.cfg.out_dir / PLOT_FILE, dpi=120)
+        save_figure(fig, run.cfg.out_dir / f"{run.stem}.png", dpi=120)
     except Exception as exc:  # noqa: BLE001
         run.record_error("plot", exc)

@@ -7,6 +7,7 @@ to every item, a type checks the value (ints pass for floats, bools never pass f
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -23,6 +24,18 @@ class BenchError(RuntimeError):
 def write_results(results: dict, out_dir: Path, stem: str) -> Path:
     """Rewrite `out_dir/stem.json` atomically; returns its path."""
     return write_json_atomic(Path(out_dir) / f"{stem}.json", results)
+
+
+def device_slug(name: str) -> str:
+    """What a result file is named after: the model number in a device name, lower case ("h100" for
+    "NVIDIA H100 80GB HBM3", "a100" for "NVIDIA A100-SXM4-80GB"), "cpu" for a CPU, else the whole
+    name as lower-case words joined by "-"."""
+    for word in name.split():
+        found = re.match(r"[A-Za-z]{1,3}\d{2,4}", word)
+        if found:
+            return found.group(0).lower()
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return "cpu" if slug.startswith("cpu") else slug or "device"
 
 
 def command_line(argv: list[str] | None) -> str:

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dspine.bench.results import device_slug
 from dspine.train.blocks import BlockBatch, make_block_batch
 from dspine.train.config import TrainConfig
 from dspine.train.flops import batch_flops, mfu
@@ -146,10 +147,10 @@ def synthetic_records(n: int, vocab: int, max_len: int, seed: int = 0) -> list[d
 
 
 def device_label(device: str) -> str:
-    """"h200" for an NVIDIA H200 (the name's last word, lower case), "cpu" for the CPU."""
+    """`results.device_slug` of the device `device` names ("h200" on an NVIDIA H200), "cpu" for the CPU."""
     if not device.startswith("cuda"):
         return "cpu"
-    return torch.cuda.get_device_name(torch.device(device)).split()[-1].lower()
+    return device_slug(torch.cuda.get_device_name(torch.device(device)))
 
 
 def shape_target(shape: str, targets: dict[str, str]) -> str | None:
