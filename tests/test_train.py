@@ -235,3 +235,25 @@ def test_throughput_benchmark_writes_its_figures(tmp_path):
         assert figures["mfu"] is None and figures["peak_memory_gib"] is None and figures["batch_size"] == 2
     base, new = (report["variants"][n]["first_step_terms"] for n in ("smollm2:baseline:b2x16", "smollm2:new:b2x16"))
     assert base.keys() == new.keys() and all(abs(base[k] - new[k]) < 1e-3 for k in base)
+
+
+def test_throughput_benchmark_trace_splits_a_step_into_the_trainers_phases(tmp_path):
+    """--trace on CPU: every phase of a training step (target forward, drafter forward, vocabulary
+    losses, backward, optimizer) has host time, the phases fit inside the step, and the operator
+    table is written."""
+    from transformers import LlamaConfig
+
+    from dspine.bench.train_throughput import main
+
+    LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=True).save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "bench.json"
+    assert main(["--variants", "smollm2:new:b32x16", "--target", f"smollm2=random:{tmp_path / 'tiny'}",
+                 "--max-len", "32", "--batch-size", "2", "--warmup", "1", "--steps", "2", "--out", str(out),
+                 "--trace", str(tmp_path / "trace")]) == 0
+    figures = json.loads(out.read_text())["variants"]["smollm2:new:b2x16"]
+    phases = figures["phases_ms_per_step"]
+    assert set(phases) == {f"{p}_host" for p in ("target", "drafter", "vocab_losses", "backward", "optimizer")}
+    assert all(ms > 0 for ms in phases.values())
+    assert sum(phases.values()) <= figures["step_seconds"] * 1e3
+    assert "Self CPU" in (tmp_path / "trace" / "smollm2_new_b2x16.txt").read_text()

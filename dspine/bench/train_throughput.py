@@ -16,7 +16,10 @@ scores, batches padded to their longest sequence; kept here only) and `new`
 (`dspine.train.trainer.train_step`). The first step's loss terms are recorded for both: same
 drafter, same batch, so they agree to bf16 rounding. Results: a table, and JSON with the command,
 device, date, torch version and the figures per variant at
-`benchmarks/results/train_throughput_<device>.json`.
+`benchmarks/results/train_throughput_<device>.json`. `--trace DIR` adds where a step's time goes:
+the trainer marks its phases with `torch.profiler.record_function` ranges (`dspine.train.target`,
+`.drafter`, `.vocab_losses`, `.backward`, `.optimizer`), and each variant's ms per step in them
+(`phase_figures`) join its figures.
 """
 
 from __future__ import annotations
@@ -168,9 +171,29 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def phase_figures(prof: torch.profiler.profile, steps: int, on_cuda: bool) -> dict[str, float]:
+    """Milliseconds per step from a profile of `steps` timed steps: for each `dspine.train.<phase>`
+    range (target, drafter, vocab_losses, backward, optimizer) its host time (`<phase>_host`) and the
+    device time of the kernels it launched (`<phase>_device`; the backward's kernels run on autograd's
+    own thread, so its device time is `device_total` less the others'), and `device_total`, every
+    kernel's time (on the CPU: the host totals only)."""
+    figures = {}
+    for event in prof.key_averages():
+        if event.key.startswith("dspine.train."):
+            phase = event.key.removeprefix("dspine.train.")
+            figures[f"{phase}_host"] = event.cpu_time_total / 1e3 / steps
+            if on_cuda:
+                figures[f"{phase}_device"] = event.device_time_total / 1e3 / steps
+    if on_cuda:
+        figures["device_total"] = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / steps
+    return {name: round(ms, 3) for name, ms in sorted(figures.items())}
+
+
 def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, records: list[dict], *, device: str,
-                warmup: int, steps: int) -> dict:
-    """Figures of one variant (module docstring); {"error": ...} when it fails (out of memory, say)."""
+                warmup: int, steps: int, trace_dir: Path | None = None) -> dict:
+    """Figures of one variant (module docstring); {"error": ...} when it fails (out of memory, say).
+    With `trace_dir`, the timed steps run under torch.profiler: `phases_ms_per_step` (`phase_figures`)
+    joins the figures and `trace_dir/<variant>.txt` gets the 30 heaviest operators by self time."""
     from dspine.train.trainer import build_drafter, make_objective, train_step
 
     cfg = replace(cfg, batch_size=v.batch_size, blocks_per_seq=v.blocks_per_seq,
@@ -185,11 +208,15 @@ def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, record
         torch.cuda.reset_peak_memory_stats(device)
     tokens = flops = 0.0
     first, started = None, time.perf_counter()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if use_amp else [])
+    prof = torch.profiler.profile(activities=activities) if trace_dir is not None else None
     try:
         for i in range(warmup + steps):
             if i == warmup:
                 _sync(device)
                 tokens, flops, started = 0.0, 0.0, time.perf_counter()
+                if prof is not None:
+                    prof.start()
             batches = [make_block_batch(rng.sample(records, cfg.batch_size), block_size=dc.block_size,
                                         blocks_per_seq=cfg.blocks_per_seq, window=dc.sliding_window,
                                         max_len=cfg.max_len, generator=gen,
@@ -205,6 +232,9 @@ def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, record
             if first is None:
                 first = {k: round(float(t.detach()), 5) for k, t in terms.items()}
         _sync(device)
+        seconds = time.perf_counter() - started
+        if prof is not None:
+            prof.stop()
     except torch.OutOfMemoryError:
         return {"error": "out of memory"}
     except Exception as exc:  # one broken variant (e.g. torch.compile on this torch) must not end the run
@@ -215,15 +245,21 @@ def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, record
         gc.collect()
         if use_amp:
             torch.cuda.empty_cache()
-    seconds = time.perf_counter() - started
-    return {"label_tokens_per_s": tokens / seconds, "step_seconds": seconds / steps,
-            "mfu": mfu(flops, seconds, device), "model_tflops_per_s": flops / seconds / 1e12,
-            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if use_amp else None,
-            "first_step_terms": first}
+    figures = {"label_tokens_per_s": tokens / seconds, "step_seconds": seconds / steps,
+               "mfu": mfu(flops, seconds, device), "model_tflops_per_s": flops / seconds / 1e12,
+               "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if use_amp else None,
+               "first_step_terms": first}
+    if prof is not None:
+        figures["phases_ms_per_step"] = phase_figures(prof, steps, use_amp)
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        sort = "self_cuda_time_total" if use_amp else "self_cpu_time_total"
+        (trace_dir / f"{v.name.replace(':', '_')}.txt").write_text(
+            prof.key_averages().table(sort_by=sort, row_limit=30) + "\n")
+    return figures
 
 
 def run(variants: list[Variant], *, device: str, targets: dict[str, str], warmup: int, steps: int,
-        max_len: int, batch_size: int | None) -> dict[str, dict]:
+        max_len: int, batch_size: int | None, trace_dir: Path | None = None) -> dict[str, dict]:
     """Every variant's figures, one target load per shape."""
     from dspine.train.trainer import load_training_target
 
@@ -237,7 +273,8 @@ def run(variants: list[Variant], *, device: str, targets: dict[str, str], warmup
         records = synthetic_records(512, target.config.vocab_size, max_len)
         chosen = [replace(v, batch_size=batch_size or v.batch_size) for v in variants if v.shape == shape]
         for v in dict.fromkeys(chosen):
-            figures = run_variant(v, cfg, target, mask_token_id, records, device=device, warmup=warmup, steps=steps)
+            figures = run_variant(v, cfg, target, mask_token_id, records, device=device, warmup=warmup, steps=steps,
+                                  trace_dir=trace_dir)
             results[v.name] = {"target": spec or "smollm2-135m-instruct", **vars(v), **figures}
             print(format_row(v.name, results[v.name]), flush=True)
         del target
@@ -267,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=None, help="every variant's micro-batch size (quick runs)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", default=None, help="default: benchmarks/results/train_throughput_<device>.json")
+    p.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                   help="profile the timed steps (torch.profiler): each variant's host and device ms per step "
+                        "in the trainer's phases (target, drafter, vocab_losses, backward, optimizer) go into "
+                        "the JSON, its 30 heaviest operators into DIR/<variant>.txt; the profiler's overhead "
+                        "is then in the timed figures too")
     args = p.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     known = {v.name: v for v in VARIANTS}
@@ -277,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = dict(item.split("=", 1) for item in args.target)
     print(f"{'variant':<40} {'label tok/s':>12} {'ms/step':>9} {'mfu':>6} {'TFLOP/s':>8} {'GiB':>7}")
     results = run(chosen, device=device, targets=targets, warmup=args.warmup, steps=args.steps,
-                  max_len=args.max_len, batch_size=args.batch_size)
+                  max_len=args.max_len, batch_size=args.batch_size, trace_dir=args.trace)
     label = device_label(device)
     out = Path(args.out or f"benchmarks/results/train_throughput_{label}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from dspine.kernels import dispatch
 
@@ -161,7 +162,9 @@ class DrafterObjective(nn.Module):
         self.chunk_fn, self.chunk_rows = chunk_fn, chunk_rows
 
     def _ce(self, xs, ws, labels, weights, coefs):
-        return linear_cross_entropy(xs, ws, labels, weights, coefs, chunk_rows=self.chunk_rows, chunk_fn=self.chunk_fn)
+        with record_function("dspine.train.vocab_losses"):
+            return linear_cross_entropy(xs, ws, labels, weights, coefs, chunk_rows=self.chunk_rows,
+                                        chunk_fn=self.chunk_fn)
 
     def forward(self, hidden: Tensor, anchor_ids: Tensor, block_positions: Tensor, mask: Tensor, labels: Tensor,
                 norms: Tensor) -> dict[str, Tensor]:
@@ -169,14 +172,15 @@ class DrafterObjective(nn.Module):
         mask: [bs, nb·B, L + nb·B]; labels: [bs·nb, B-1]; norms: [3] (`step_norms`)."""
         model, dc = self.drafter, self.drafter.config
         bs, length = hidden.shape[:2]
-        kv = model.context_key_values(model.project_context(hidden),
-                                      torch.arange(length, device=hidden.device)[None].expand(bs, -1))
         layer_out: list[Tensor] = []
         hooks = ([layer.register_forward_hook(lambda _m, _a, out: layer_out.append(out)) for layer in model.layers]
                  if model.injections is not None else [])
         try:
-            with dispatch.forced("torch"):
-                out = model(anchor_ids, block_positions, kv, mask)
+            with record_function("dspine.train.drafter"):
+                kv = model.context_key_values(model.project_context(hidden),
+                                              torch.arange(length, device=hidden.device)[None].expand(bs, -1))
+                with dispatch.forced("torch"):
+                    out = model(anchor_ids, block_positions, kv, mask)
         finally:
             for hook in hooks:
                 hook.remove()

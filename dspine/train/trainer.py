@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from dspine.model.checkpoint import save_checkpoint
 from dspine.model.config import DSpineConfig
@@ -232,9 +233,11 @@ def accumulate_gradients(objective: nn.Module, target, batches: list[BlockBatch]
     for i, batch in enumerate(batches):
         with distributed.no_sync(objective, last=i == len(batches) - 1):
             with torch.autocast(device_type="cuda" if use_amp else "cpu", dtype=torch.bfloat16, enabled=use_amp):
-                hidden = target_hidden(target, batch.input_ids, layer_ids)
+                with record_function("dspine.train.target"):
+                    hidden = target_hidden(target, batch.input_ids, layer_ids)
                 terms = objective(hidden, batch.anchor_ids, batch.block_positions, batch.mask, batch.labels, norms)
-            (terms["total"] * dist.world).backward()
+            with record_function("dspine.train.backward"):
+                (terms["total"] * dist.world).backward()
         for name, value in terms.items():
             totals[name] = totals[name] + value.detach() if name in totals else value.detach()
     return totals
@@ -246,8 +249,9 @@ def train_step(objective: nn.Module, target, batches: list[BlockBatch], opt: tor
     clipping, AdamW): `(terms, grad_norm)`."""
     opt.zero_grad(set_to_none=True)
     terms = accumulate_gradients(objective, target, batches, cfg, use_amp=use_amp)
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
-    opt.step()
+    with record_function("dspine.train.optimizer"):
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
+        opt.step()
     return terms, grad_norm
 
 
