@@ -12,7 +12,8 @@ layer-wise CE is one level (q_l · Uᵀ, the five layers' rows stacked). The row
 of `chunk_rows`: per chunk the products (in the compute dtype: bf16 under autocast), then fp32
 log-softmax, loss, argmax and the gradient with respect to the logits, then the gradients of the
 inputs (G_k · ws[k], and G_kᵀ · xs[k] for weights that require grad), with
-G_k = Σ_{p ≥ k} coefs[p] · w · (softmax(z_p) − onehot(label)). The gradients are computed in the
+G_k = Σ_{p ≥ k} coefs[p] · w · (softmax(z_p) − onehot(label)) (`chunk_gradients`; on CUDA the
+trainer runs them as one Triton kernel, `fused_chunk_gradients`). The gradients are computed in the
 forward (the loss is linear in its incoming gradient; backward only scales them), so no [N, V]
 tensor outlives its chunk and the logits are never recomputed.
 
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from dspine.kernels import dispatch
+from dspine.kernels.cross_entropy import cross_entropy_grads
 
 CHUNK_BYTES = 2 << 30  # working set of one chunk of logits, all levels and temporaries included
 
@@ -63,6 +65,17 @@ def chunk_gradients(parts: list[Tensor], labels: Tensor, weights: Tensor,
         running = g if running is None else g.add_(running)  # a new sum: grads[p + 1] may alias `running`
         grads[p] = running.to(parts[p].dtype)
     return grads, torch.stack(ces[::-1]), torch.stack(argmaxes[::-1])
+
+
+def fused_chunk_gradients(reference: Callable = chunk_gradients) -> Callable:
+    """A `chunk_fn` that runs the fused Triton kernel (`dspine.kernels.cross_entropy`: the same
+    contract, two passes over the logits) where `dispatch.use_triton` picks it for the parts (CUDA
+    tensors; one or two levels), and `reference` (`chunk_gradients` or a compiled copy) elsewhere."""
+    def chunk_fn(parts: list[Tensor], labels: Tensor, weights: Tensor, coefs: tuple[float, ...]):
+        if len(parts) <= 2 and dispatch.use_triton(parts[0]):
+            return cross_entropy_grads(parts, labels, weights, coefs)
+        return reference(parts, labels, weights, coefs)
+    return chunk_fn
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -35,7 +35,7 @@ from dspine.model.selection import select_tokens
 from dspine.train import distributed, resume
 from dspine.train.blocks import BlockBatch, make_block_batch
 from dspine.train.config import TrainConfig, TrainConfigError
-from dspine.train.losses import DrafterObjective, chunk_gradients, step_norms
+from dspine.train.losses import DrafterObjective, chunk_gradients, fused_chunk_gradients, step_norms
 from dspine.train.flops import batch_flops, mfu
 from dspine.utils.atomic import write_atomic, write_json_atomic
 
@@ -206,12 +206,12 @@ def build_training(cfg: TrainConfig, device: str) -> tuple[nn.Module, DSpineDraf
 
 
 def make_objective(model: DSpineDrafter, cfg: TrainConfig) -> nn.Module:
-    """`model`'s training objective (`DrafterObjective`); with `cfg.compile`, the draft layers'
-    attention and MLP and the loss chunks run through torch.compile; under DDP when the job has
-    more than one process."""
-    chunk_fn = chunk_gradients
+    """`model`'s training objective (`DrafterObjective`): the vocabulary losses' chunks through the
+    fused Triton kernel on CUDA (`fused_chunk_gradients`); with `cfg.compile`, the draft layers'
+    attention and MLP run through torch.compile, and so do the loss chunks wherever the kernel does
+    not run; under DDP when the job has more than one process."""
+    chunk_fn = fused_chunk_gradients(torch.compile(chunk_gradients, dynamic=True) if cfg.compile else chunk_gradients)
     if cfg.compile:
-        chunk_fn = torch.compile(chunk_gradients, dynamic=True)
         for layer in model.layers:
             layer.self_attn.compile()
             layer.mlp.compile()
