@@ -8,7 +8,9 @@
 #   dspine_wait real 560        # in each following call, back to back, until it reports finished
 #
 #   TOKENIZER_DIR  tokenizer files for the dummy-weight targets and the small hybrid (any tokenizer
-#                  whose ids fit the vocabularies, e.g. SmolLM2-135M-Instruct's converted folder)
+#                  whose ids fit the vocabularies, e.g. SmolLM2-135M-Instruct's: `load_tokenizer(None)`
+#                  then `save_pretrained(DIR)` on your machine, 3.5 MB, 0.45 MB as an xz tar; no model
+#                  weights are needed on the host)
 #   PROMPTS_DIR    exported evaluation prompts (dspine.data.prompt_sources.export_prompts)
 #
 # 1. Serving folders of both shapes (scripts/make_real_shape_dirs.py) and a small random hybrid
@@ -87,6 +89,12 @@ rounds() {  # NAME CONFIG SHAPE: greedy then T=1, three levels each (step-profil
 }
 
 log "start"
+# Both presets share the card (the 27B target alone is 50 GB of weights): an 80-GB H100 cannot hold them.
+total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+if [ "${total_mib:-0}" -lt 120000 ]; then
+  log "this GPU has ${total_mib} MiB; both presets at once need an H200 (~139 GiB): ask the device for one (needs_h200)"
+  exit 2
+fi
 python3 scripts/make_real_shape_dirs.py "$TOKENIZER" "$SHAPES" >> "$OUT/progress.txt" 2>&1 || exit 1
 python3 -m dspine.bench.hybrid_pair "$TOKENIZER" "$HYBRID" >> "$OUT/progress.txt" 2>&1 || exit 1
 
