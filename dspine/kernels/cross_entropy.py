@@ -37,17 +37,16 @@ def cross_entropy_grads_kernel(part0, part1, labels, weights, grad0, grad1, ce, 
     cols = tl.arange(0, BLOCK_V)
     label = tl.load(labels + row)
     w = tl.load(weights + row).to(tl.float32)
-    neg_inf = float("-inf")
-    m0 = tl.full((), neg_inf, tl.float32)
+    m0 = tl.zeros((), tl.float32) - float("inf")
     s0 = tl.zeros((), tl.float32)
     i0 = tl.zeros((), tl.int64)
-    m1 = tl.full((), neg_inf, tl.float32)
+    m1 = tl.zeros((), tl.float32) - float("inf")
     s1 = tl.zeros((), tl.float32)
     i1 = tl.zeros((), tl.int64)
     for start in range(0, V, BLOCK_V):
         offs = start + cols
         inside = offs < V
-        z0 = tl.load(part0 + base + offs, mask=inside, other=neg_inf).to(tl.float32)
+        z0 = tl.load(part0 + base + offs, mask=inside, other=-float("inf")).to(tl.float32)
         top0 = tl.max(z0, 0)
         at0 = tl.argmax(z0, 0).to(tl.int64)
         i0 = tl.where(top0 > m0, start + at0, i0)  # strictly larger: the first index wins
