@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -257,3 +258,40 @@ def test_throughput_benchmark_trace_splits_a_step_into_the_trainers_phases(tmp_p
     assert all(ms > 0 for ms in phases.values())
     assert sum(phases.values()) <= figures["step_seconds"] * 1e3
     assert "Self CPU" in (tmp_path / "trace" / "smollm2_new_b2x16.txt").read_text()
+
+
+def test_training_through_the_fused_loss_kernel_follows_the_pytorch_chunks(tmp_path, tiny_target_dir, monkeypatch):
+    """Two steps with the vocabulary losses' chunks in the Triton kernel (interpreter; the trainer's
+    chunk_fn with the kernel chosen, as on CUDA) log the same losses as with the PyTorch chunks, and
+    the kernel really ran."""
+    pytest.importorskip("triton")
+    import dspine.kernels.cross_entropy as kernel_module
+    import dspine.train.losses as losses
+    import dspine.train.trainer as trainer
+    from dspine.kernels import dispatch
+
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("CPU tensors need the Triton interpreter")
+    launches = []
+    real = kernel_module.cross_entropy_grads
+    monkeypatch.setattr(losses, "cross_entropy_grads", lambda *a: launches.append(1) or real(*a))
+
+    def kernel_chosen(reference):
+        chunk_fn = losses.fused_chunk_gradients(reference)
+
+        def run(*args):
+            with dispatch.forced("triton"):
+                return chunk_fn(*args)
+        return run
+
+    logs = []
+    for name in ("torch", "fused"):
+        (tmp_path / name).mkdir()
+        if name == "fused":
+            monkeypatch.setattr(trainer, "fused_chunk_gradients", kernel_chosen)
+        train(_config(tmp_path / name, tiny_target_dir, steps=2), device="cpu", progress=False)
+        logs.append(json.loads((tmp_path / name / "run" / "log.json").read_text()))
+    assert launches                                                            # the fused run used it
+    for a, b in zip(*logs):
+        for key in ("final", "transition", "layers", "total"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3), (a["step"], key)

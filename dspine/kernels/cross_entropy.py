@@ -24,7 +24,7 @@ from torch import Tensor
 from dspine.kernels.lazy_jit import LazyJit
 
 _kernels = LazyJit(globals())
-BLOCK_V = 2048
+BLOCK_V = 2048  # the tile: logits a program reads at once (the next power of two of a smaller vocabulary)
 
 
 # ------------------------------------------------------------------------------------------ Triton
@@ -102,7 +102,8 @@ def cross_entropy_grads(parts: list[Tensor], labels: Tensor, weights: Tensor,
     ce = torch.empty(len(parts), rows, dtype=torch.float32, device=parts[0].device)
     argmax = torch.empty(len(parts), rows, dtype=torch.long, device=parts[0].device)
     if rows:
+        tile = min(BLOCK_V, 1 << (vocab - 1).bit_length())
         cross_entropy_grads_kernel[(rows,)](
             parts[0], parts[-1], labels.contiguous(), weights.float().contiguous(), grads[0], grads[-1], ce, argmax,
-            rows, vocab, float(coefs[0]), float(coefs[-1]), TWO=two, BLOCK_V=BLOCK_V)
+            rows, vocab, float(coefs[0]), float(coefs[-1]), TWO=two, BLOCK_V=tile)
     return grads, ce, argmax
