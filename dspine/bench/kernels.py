@@ -13,6 +13,7 @@ must move, next to a measured device copy.
 
 GPU host:  python scripts/bench_kernels.py --out-dir OUT                (< 5 min on an H200)
            python scripts/bench_kernels.py --out-dir OUT --only suffix_match   (one kernel, < 1 min)
+           python scripts/bench_kernels.py --out-dir OUT --only cross_entropy  (the trainer's loss chunk)
 CPU check: TRITON_INTERPRET=1 python scripts/bench_kernels.py --cpu-smoke (tiny shapes, interpreter)
 
 Writes kernels_<device>.json (schema in `Run`; <device> e.g. h200, h100, or cpu for --cpu-smoke),
@@ -20,7 +21,8 @@ kernels_<device>.png and kernels_<device>_details.json (config
 sweep, correctness checks, compile times, errors) to --out-dir (default benchmarks/results; a
 temporary folder with --cpu-smoke), rewriting them after every measurement so a timeout still
 leaves results. Modules: kernels_harness (settings, timing, result files), kernels_injection,
-kernels_selection, kernels_round (draft round, verify), kernels_report (targets, table, plot).
+kernels_selection, kernels_round (draft round, verify), kernels_training (the loss chunk),
+kernels_report (targets, table, plot).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from dspine.bench.kernels_injection import injection_bytes, injection_cases
 from dspine.bench.kernels_report import plot, print_table, targets
 from dspine.bench.kernels_round import round_section, verify_section
 from dspine.bench.kernels_selection import selection_cases, suffix_match_case
+from dspine.bench.kernels_training import cross_entropy_case
 from dspine.bench.results import command_line
 from dspine.kernels import dispatch
 
@@ -53,8 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stop starting optional work after this many seconds (default 270, quick 150)")
     p.add_argument("--reps", type=int, default=None, help="timed samples per case (median; default 50)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile baselines (compile_ms null)")
-    p.add_argument("--only", choices=["suffix_match"], default=None,
-                   help="time only this kernel, at every shape and batch size (no sweep, round or verify)")
+    p.add_argument("--only", choices=["suffix_match", "cross_entropy"], default=None,
+                   help="time only this kernel, at every shape (suffix_match: and batch size; cross_entropy: the "
+                        "trainer's loss chunk of one and two levels); no sweep, round or verify")
     return p.parse_args(argv)
 
 
@@ -119,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
             for name in cfg.shapes:
                 for bs in cfg.batches:
                     suffix_match_case(run, name, bs)
+        elif args.only == "cross_entropy":
+            for name, shape in cfg.shapes.items():
+                for levels in (1, 2):
+                    cross_entropy_case(run, name, shape, levels)
+            run.run_compiles()
         else:
             best: dict = {}
             for name, shape in cfg.shapes.items():
