@@ -19,6 +19,15 @@
 #    DSPINE_DATA=FILE (.jsonl or .jsonl.gz, e.g. an earlier run's OUT/data.jsonl.gz) that file is the
 #    data instead: no server, no generation (~7 minutes less). DSPINE_TRAIN_SET='KEY=VALUE ...' sets
 #    top-level training fields of both runs alike (a campaign's data: 'max_len=8192 blocks_per_seq=64').
+#    DSPINE_TARGET=DIR trains and measures against that target folder (the one gen-data's records
+#    name, e.g. $SMOLLM2) instead of the bundle's GGUF environment.
+#    A campaign leg: DSPINE_TRAIN_SECONDS=S stops both runs after S seconds (state saved, weights so far
+#    exported; run again on the same --work to resume), STEPS is then the campaign's whole length, and
+#    OUT/state_{dspine,ablation}.pt are travel states (`python -m dspine.train.resume travel`) to carry,
+#    with OUT/run_key_{dspine,ablation}.json. DSPINE_RESUME=DIR holding an earlier leg's four files
+#    puts them in place first, so the runs continue where that leg stopped; with DSPINE_WARM_START=1
+#    (a leg on other data) they continue from those weights with a new optimizer and schedule.
+#    DSPINE_ACCEPT=0 skips step 3.
 # 2. scripts/train_pair.py: the DSpine drafter (or VARIANT) and the ablation, one process each, sharing the GPU.
 # 3. bench-accept, one process per drafter (32 prompts per set, 160 new tokens, T=0 and T=1; greedy
 #    parity checked for DSpine), merged into OUT/acceptance_smollm2.json; a third process measures the
@@ -54,7 +63,9 @@ else
   say "data: $(wc -l < "$OUT/greedy.jsonl") greedy + $(wc -l < "$OUT/sampled.jsonl") sampled sequences"
 fi
 
-dspine_train_env   # from here on: the host's torch/transformers, the GGUF target (the server is gone)
+TARGET_ARGS=()
+if [ -n "${DSPINE_TARGET:-}" ]; then TARGET_ARGS=(--target "$DSPINE_TARGET")
+else dspine_train_env; fi   # from here on: the host's torch/transformers, the GGUF target (the server is gone)
 DSPINE_RUN=(train-dspine)
 NAME=dspine
 if [ -n "$VARIANT" ]; then
@@ -63,14 +74,33 @@ if [ -n "$VARIANT" ]; then
   NAME=dspine-$VARIANT
 fi
 COMMON=(--steps "$STEPS" --data "$OUT/data.jsonl" --work /tmp/dspine-run --out-dir "$OUT")
+if [ -n "${DSPINE_RESUME:-}" ]; then
+  for run in "$NAME" ablation; do
+    mkdir -p "/tmp/dspine-run/$run"
+    cp "$DSPINE_RESUME/state_$run.pt" "/tmp/dspine-run/$run/state.pt"
+    cp "$DSPINE_RESUME/run_key_$run.json" "/tmp/dspine-run/$run/run_key.json"
+  done
+  say "resuming $NAME and the ablation from $DSPINE_RESUME"
+fi
 for kv in ${DSPINE_TRAIN_SET:-}; do COMMON+=(--set "$kv"); done
+[ -z "${DSPINE_TARGET:-}" ] || COMMON+=(--set "target=$DSPINE_TARGET")
+[ -z "${DSPINE_TRAIN_SECONDS:-}" ] || COMMON+=(--time-limit "$DSPINE_TRAIN_SECONDS")
+[ "${DSPINE_WARM_START:-0}" = 0 ] || COMMON+=(--warm-start)
 python3 scripts/train_pair.py "${DSPINE_RUN[@]}" "${COMMON[@]}" > "$OUT/train-dspine.log" 2>&1 &
 dspine_pid=$!
 python3 scripts/train_pair.py train-ablation "${COMMON[@]}" > "$OUT/train-ablation.log" 2>&1
 wait $dspine_pid
-say "trained $NAME and the ablation, $STEPS steps each"
+say "trained $NAME and the ablation ($STEPS steps each, or until ${DSPINE_TRAIN_SECONDS:-no} s)"
+if [ -n "${DSPINE_TRAIN_SECONDS:-}" ]; then
+  for run in "$NAME" ablation; do
+    python3 -m dspine.train.resume travel "/tmp/dspine-run/$run/state.pt" "$OUT/state_$run.pt"
+    cp "/tmp/dspine-run/$run/run_key.json" "$OUT/run_key_$run.json"
+  done
+fi
 
-ACC=(python3 -m dspine.cli bench-accept --num-prompts 32 --max-new-tokens 160 --batch-size 32 --device cuda)
+[ "${DSPINE_ACCEPT:-1}" != 0 ] || { say "done (no bench-accept: DSPINE_ACCEPT=0)"; exit 0; }
+ACC=(python3 -m dspine.cli bench-accept --num-prompts 32 --max-new-tokens 160 --batch-size 32 --device cuda
+     "${TARGET_ARGS[@]}")
 "${ACC[@]}" --drafter "dspine=$OUT/ckpt_$NAME" --check-parity --out "$OUT/acc/dspine.json" > "$OUT/acc/dspine.log" 2>&1 &
 acc_pid=$!
 "${ACC[@]}" --drafter "dspine-argmax=$OUT/ckpt_$NAME" --selection argmax --out "$OUT/acc/dspine_argmax.json" \

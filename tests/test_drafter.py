@@ -113,3 +113,39 @@ def test_drafting_under_autocast_runs_the_reference(llama_target, monkeypatch):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             outs[mode] = model(*args).hidden
     torch.testing.assert_close(outs["triton"], outs["torch"], rtol=0, atol=0)
+
+
+def test_injection_without_scores_has_the_reference_gradients():
+    """The PyTorch injection without scores (top-k ids from a scan without autograd, then the k scores
+    recomputed) against `adjacent_injection_reference` (autograd through the dense scores and
+    topk): same output and same gradients for h, W_s, the transfer table, the gate and W_o."""
+    from dspine.kernels.adjacent_injection import adjacent_injection_reference
+    from dspine.model.transfer import AdjacentInjection
+
+    g = torch.Generator().manual_seed(3)
+    n, blk, hidden, rank, vocab, top_k = 5, 6, 16, 8, 97, 4
+    layer = AdjacentInjection(hidden, rank, top_k).double()
+    for p in layer.parameters():
+        p.data = torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3
+    h = torch.randn(n, blk, hidden, generator=g, dtype=torch.float64)
+    table = torch.randn(vocab, rank, generator=g, dtype=torch.float64)
+    anchors = torch.randint(vocab, (n,), generator=g)
+    upstream = torch.randn(n, blk, hidden, generator=g, dtype=torch.float64)
+
+    def grads(run):
+        leaves = [h.clone().requires_grad_(), table.clone().requires_grad_()]
+        for p in layer.parameters():
+            p.grad = None
+        out = run(*leaves)
+        (out * upstream).sum().backward()
+        return out.detach(), [x.grad for x in leaves] + [p.grad.clone() for p in layer.parameters()]
+
+    ref_out, ref_grads = grads(lambda x, t: adjacent_injection_reference(
+        x, layer.score_proj.weight, t, anchors, layer.gate.weight, layer.gate.bias, layer.out_proj.weight, top_k)[0])
+    out, got = grads(lambda x, t: layer(x, t, anchors, need_scores=False)[0])
+    first, got_first = grads(lambda x, t: layer.forward_with_candidates(x, t, anchors, False, None)[0])
+    for o, gs in ((out, got), (first, got_first)):      # both compute the features in fp32
+        torch.testing.assert_close(o, ref_out, rtol=1e-5, atol=1e-6)
+        for a, b in zip(gs, ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert got[1].abs().sum() > 0                       # the table's gradient (score and feature paths)

@@ -94,7 +94,10 @@ def test_training_reduces_loss_resumes_and_exports(tmp_path, tiny_target_dir):
     cfg = _config(tmp_path, tiny_target_dir, steps=30)
     assert train(cfg, device="cpu", time_limit_s=0.0, progress=False) is None       # stopped at once
     assert (tmp_path / "run" / "state.pt").exists()
+    so_far = json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())["dspine_training"]
+    assert (so_far["step"], so_far["steps"]) == (0, 30)                             # the weights so far, exported
     export = train(cfg, device="cpu", progress=False)                                 # resumes, finishes
+    assert json.loads((export / "config.json").read_text())["dspine_training"]["step"] == 30
     log = json.loads((tmp_path / "run" / "log.json").read_text())
     assert log[0]["step"] == 5 and log[-1]["step"] == 30 and "heldout_tau" in log[-1]
     assert log[-1]["final"] < log[0]["final"] - 0.5

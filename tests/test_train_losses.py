@@ -84,3 +84,42 @@ def test_objective_equals_the_unchunked_losses_and_their_gradients(llama_target)
             assert (a is None) == (b is None)
             if a is not None:
                 torch.testing.assert_close(a, b, rtol=5e-4, atol=1e-5)  # fp32 sums in another order
+
+
+def test_layer_loss_fraction_is_unbiased(llama_target, monkeypatch):
+    """With `layer_loss_fraction` < 1 the layer-wise term is computed on m of the n blocks, reweighted
+    by n/m: averaged over every m-subset it equals the full term; the other terms do not change; a
+    draw is m distinct blocks."""
+    import itertools
+
+    from conftest import drafter_for
+
+    from dspine.train.blocks import make_block_batch
+    from dspine.train.losses import DrafterObjective, step_norms
+    from dspine.train.trainer import target_hidden
+
+    g = torch.Generator().manual_seed(5)
+    records = [{"ids": torch.randint(4, 256, (int(n),), generator=g).tolist(), "answer_start": 5} for n in (40, 31)]
+    drafter = drafter_for(llama_target, block_size=6, layer_loss_weights=[0.5, 0.4, 0.3, 0.2, 0.1]).train()
+    batch = make_block_batch(records, block_size=6, blocks_per_seq=3, window=16, max_len=64, generator=g)
+    hidden = target_hidden(llama_target, batch.input_ids, drafter.config.target_layer_ids)
+    args = (hidden, batch.anchor_ids, batch.block_positions, batch.mask, batch.labels, step_norms([batch.labels], 4.0))
+    with torch.no_grad():
+        full = DrafterObjective(drafter, position_decay=4.0, confidence_weight=0.3)(*args)
+        part = DrafterObjective(drafter, position_decay=4.0, confidence_weight=0.3, layer_loss_fraction=0.7)
+        n = batch.labels.shape[0]
+        keep, factor = part.layer_loss_blocks(n, "cpu")
+        m = len(keep)
+        assert m == round(0.7 * n) and len(set(keep.tolist())) == m and 0 <= keep.min() <= keep.max() < n
+        assert factor == n / m
+        subsets = list(itertools.combinations(range(n), m))
+        terms = []
+        for subset in subsets:
+            monkeypatch.setattr(part, "layer_loss_blocks", lambda *_a, s=subset: (torch.tensor(s), n / m))
+            terms.append(part(*args))
+    mean = sum(t["layers"] for t in terms) / len(subsets)
+    torch.testing.assert_close(mean, full["layers"], rtol=1e-5, atol=1e-6)
+    draws = torch.stack([t["layers"] for t in terms])
+    assert draws.max() - draws.min() > 1e-5                                         # the draws differ
+    for name in ("final", "transition", "confidence"):
+        torch.testing.assert_close(terms[0][name], full[name])

@@ -29,6 +29,7 @@ import gc
 import importlib.util
 import json
 import random
+import re
 import shlex
 import sys
 import time
@@ -54,12 +55,15 @@ class Variant:
     blocks_per_seq: int
     grad_accum_steps: int = 1
     compile: bool = False
+    cudnn: bool = False           # TrainConfig.cudnn_attention
+    layer_fraction: float = 1.0   # TrainConfig.layer_loss_fraction
 
     @property
     def name(self) -> str:
         accum = f"a{self.grad_accum_steps}" if self.grad_accum_steps > 1 else ""
         return f"{self.shape}:{self.path}:b{self.batch_size}x{self.blocks_per_seq}{accum}" + \
-            ("+compile" if self.compile else "")
+            ("+compile" if self.compile else "") + ("+cudnn" if self.cudnn else "") + \
+            (f"+layers{self.layer_fraction:g}" if self.layer_fraction < 1 else "")
 
 
 SHAPES = {"smollm2": "smollm2-dspine", "qwen3-8b": "qwen3-8b-dspine"}   # shape -> packaged training config
@@ -68,7 +72,14 @@ VARIANTS = [
     Variant("smollm2", "new", 32, 16),
     Variant("smollm2", "new", 32, 16, compile=True),
     Variant("smollm2", "new", 32, 64),
+    Variant("smollm2", "new", 32, 64, cudnn=True),
     Variant("smollm2", "new", 32, 64, compile=True),
+    Variant("smollm2", "new", 32, 64, layer_fraction=0.25),
+    Variant("smollm2", "new", 64, 64),
+    Variant("smollm2", "new", 32, 128),
+    Variant("smollm2", "new", 32, 128, layer_fraction=0.25),
+    Variant("smollm2", "new", 32, 128, cudnn=True, layer_fraction=0.25),
+    Variant("smollm2", "new", 64, 128),
     Variant("smollm2", "new", 64, 64, compile=True),
     Variant("smollm2", "new", 32, 64, grad_accum_steps=2, compile=True),
     Variant("qwen3-8b", "baseline", 16, 16),
@@ -193,11 +204,12 @@ def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, record
                 warmup: int, steps: int, trace_dir: Path | None = None) -> dict:
     """Figures of one variant (module docstring); {"error": ...} when it fails (out of memory, say).
     With `trace_dir`, the timed steps run under torch.profiler: `phases_ms_per_step` (`phase_figures`)
-    joins the figures and `trace_dir/<variant>.txt` gets the 30 heaviest operators by self time."""
+    joins the figures and `trace_dir/<variant>.txt` (`:`, `+` as `_`) gets the 30 heaviest operators by self time."""
     from dspine.train.trainer import build_drafter, make_objective, train_step
 
     cfg = replace(cfg, batch_size=v.batch_size, blocks_per_seq=v.blocks_per_seq,
-                  grad_accum_steps=v.grad_accum_steps, compile=v.compile)
+                  grad_accum_steps=v.grad_accum_steps, compile=v.compile, cudnn_attention=v.cudnn,
+                  layer_loss_fraction=v.layer_fraction)
     use_amp = device.startswith("cuda")
     torch.manual_seed(0)
     model, opt = build_drafter(cfg, target, mask_token_id, device)
@@ -253,7 +265,7 @@ def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, record
         figures["phases_ms_per_step"] = phase_figures(prof, steps, use_amp)
         trace_dir.mkdir(parents=True, exist_ok=True)
         sort = "self_cuda_time_total" if use_amp else "self_cpu_time_total"
-        (trace_dir / f"{v.name.replace(':', '_')}.txt").write_text(
+        (trace_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', v.name)}.txt").write_text(
             prof.key_averages().table(sort_by=sort, row_limit=30) + "\n")
     return figures
 

@@ -94,6 +94,12 @@ from dspine.kernels.topk_keys import (
 from dspine.kernels.topk_keys import _kernels as _topk_kernels
 
 
+def table_rows(table: Tensor, ids: Tensor) -> Tensor:
+    """table [V, r], ids [...] int64 -> table[ids] [..., r], through `index_select`: its gradient is
+    an `index_add_`, not advanced indexing's sorting scatter (a training step's slowest kernel)."""
+    return table.index_select(0, ids.reshape(-1)).view(*ids.shape, table.shape[-1])
+
+
 def transfer_features_reference(h: Tensor, score_weight: Tensor, table: Tensor, anchor_ids: Tensor,
                                 top_k: int) -> tuple[Tensor, Tensor]:
     """h: [n, B, H]; score_weight: [r, H]; table: [V, r]; anchor_ids: [n].
@@ -103,8 +109,8 @@ def transfer_features_reference(h: Tensor, score_weight: Tensor, table: Tensor, 
     scores = (h @ score_weight.T) @ table.T                      # [n, B, V]
     top_val, top_idx = scores.topk(top_k, dim=-1)                # [n, B, k]
     weights = torch.softmax(top_val.float(), dim=-1)             # [n, B, k]
-    t = (weights[..., None] * table[top_idx].float()).sum(-2)    # [n, B, r]
-    t = torch.cat([table[anchor_ids].float()[:, None], t[:, 1:]], dim=1)
+    t = torch.einsum("nbk,nbkr->nbr", weights, table_rows(table, top_idx).float())    # [n, B, r]
+    t = torch.cat([table_rows(table, anchor_ids).float()[:, None], t[:, 1:]], dim=1)
     return t, scores
 
 
@@ -117,10 +123,10 @@ def transfer_features_on_candidates(h: Tensor, score_weight: Tensor, table: Tens
     position's own top-k as candidates it equals
     `transfer_features_reference` (same scores, fp32 softmax)."""
     q = (h[:, 1:-1] @ score_weight.T).float()                    # [n, B-2, r]
-    rows = table[candidates[:, 1:]].float()                      # [n, B-2, k, r]
+    rows = table_rows(table, candidates[:, 1:]).float()          # [n, B-2, k, r]
     weights = torch.softmax(torch.einsum("nbr,nbkr->nbk", q, rows), dim=-1)
-    t = (weights[..., None] * rows).sum(-2)                      # [n, B-2, r]
-    return torch.cat([table[anchor_ids].float()[:, None], t], dim=1)
+    t = torch.einsum("nbk,nbkr->nbr", weights, rows)             # [n, B-2, r]
+    return torch.cat([table_rows(table, anchor_ids).float()[:, None], t], dim=1)
 
 
 def inject_features_reference(h: Tensor, t: Tensor, gate_weight: Tensor, gate_bias: Tensor,

@@ -57,9 +57,22 @@ class AdjacentInjection(nn.Module):
             from dspine.kernels.adjacent_injection import adjacent_injection
             return adjacent_injection(h, self.score_proj.weight, table, anchor_ids, self.gate.weight,
                                       self.gate.bias, self.out_proj.weight, self.top_k), None
-        out, scores = adjacent_injection_reference(h, self.score_proj.weight, table, anchor_ids, self.gate.weight,
-                                                   self.gate.bias, self.out_proj.weight, self.top_k)
-        return out, scores if need_scores else None
+        if need_scores:
+            return adjacent_injection_reference(h, self.score_proj.weight, table, anchor_ids, self.gate.weight,
+                                                self.gate.bias, self.out_proj.weight, self.top_k)
+        return self._on_own_top_k(h, table, anchor_ids)[0], None
+
+    def _on_own_top_k(self, h: Tensor, table: Tensor, anchor_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """`adjacent_injection_reference` without its scores, in PyTorch: the top-k ids [n, B-1, k] of
+        positions 0..B-2 from a vocabulary scan without autograd, then the injection on them
+        (`inject_on_candidates_reference`: their k scores recomputed in fp32). The same function and
+        gradient (a top-k's gradient reaches only the k scores it kept), without the [n, B, V] scores
+        in the autograd graph or their dense gradient: what training runs. Returns (h_out, ids)."""
+        with torch.no_grad():
+            found = ((h[:, :-1] @ self.score_proj.weight.T) @ table.T).topk(self.top_k, dim=-1).indices
+        out = inject_on_candidates_reference(h, self.score_proj.weight, table, anchor_ids, found, self.gate.weight,
+                                             self.gate.bias, self.out_proj.weight)
+        return out, found
 
     def forward_with_candidates(self, h: Tensor, table: Tensor, anchor_ids: Tensor, need_scores: bool,
                                 candidates: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -78,10 +91,13 @@ class AdjacentInjection(nn.Module):
                 out = adjacent_injection(h, self.score_proj.weight, table, anchor_ids, self.gate.weight,
                                          self.gate.bias, self.out_proj.weight, self.top_k, candidates_out=found)
                 return out, None, found
-            out, scores = adjacent_injection_reference(h, self.score_proj.weight, table, anchor_ids, self.gate.weight,
-                                                       self.gate.bias, self.out_proj.weight, self.top_k)
-            found = scores[:, :-1].topk(self.top_k, dim=-1).indices
-            return out, scores if need_scores else None, found
+            if need_scores:
+                out, scores = adjacent_injection_reference(h, self.score_proj.weight, table, anchor_ids,
+                                                           self.gate.weight, self.gate.bias, self.out_proj.weight,
+                                                           self.top_k)
+                return out, scores, scores[:, :-1].topk(self.top_k, dim=-1).indices
+            out, found = self._on_own_top_k(h, table, anchor_ids)
+            return out, None, found
         args = (h, self.score_proj.weight, table, anchor_ids, candidates, self.gate.weight, self.gate.bias,
                 self.out_proj.weight)
         if fused:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from dspine.kernels.adjacent_injection import table_rows
+
 
 class TransitionScorer(nn.Module):
     def __init__(self, rank: int):
@@ -22,7 +24,7 @@ class TransitionScorer(nn.Module):
 
     def left(self, table: Tensor, ids: Tensor) -> Tensor:
         """U[ids] W_T: [..., r]."""
-        return table[ids].to(self.weight.dtype) @ self.weight
+        return table_rows(table, ids).to(self.weight.dtype) @ self.weight
 
     def full_row(self, table: Tensor, prev_ids: Tensor) -> Tensor:
         """T(prev, ·) over the whole vocabulary: prev_ids [...] -> [..., V]."""
@@ -30,7 +32,7 @@ class TransitionScorer(nn.Module):
 
     def pair(self, table: Tensor, prev_ids: Tensor, cur_ids: Tensor) -> Tensor:
         """prev_ids [..., Kp], cur_ids [..., K] -> T [..., Kp, K] computed on the fly."""
-        return self.left(table, prev_ids) @ table[cur_ids].to(self.weight.dtype).transpose(-1, -2)
+        return self.left(table, prev_ids) @ table_rows(table, cur_ids).to(self.weight.dtype).transpose(-1, -2)
 
 
 class SuccessorTable:

@@ -101,10 +101,15 @@ class TrainConfig:
     save_every: int = 250
     log_every: int = 10
     export_shard_bytes: int = 15 << 20
-    # Throughput (docs/training.md): micro-batches of batch_size sequences per optimisation step, and
-    # torch.compile of the draft layers and of the chunked vocabulary loss.
+    # Throughput (docs/training.md): micro-batches of batch_size sequences per optimisation step,
+    # torch.compile of the draft layers and of the chunked vocabulary loss, and whether attention
+    # may use cuDNN's kernels (each call costs milliseconds of host time; off: flash/efficient).
     grad_accum_steps: int = 1
     compile: bool = False
+    cudnn_attention: bool = False
+    # The layer-wise losses (5 of the 7 vocabulary-sized ones) on this fraction of each micro-batch's
+    # blocks, drawn at random and reweighted: the same expected loss for less work.
+    layer_loss_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         checked = _check_fields(type(self), dataclasses.asdict(self), "")
@@ -121,6 +126,8 @@ class TrainConfig:
         for name, example in (("lr", "6e-4"), ("grad_clip", "1.0"), ("position_decay", "7.0")):
             if getattr(self, name) <= 0:
                 raise TrainConfigError(f"{name} = {getattr(self, name)}: must be > 0 (e.g. {example})")
+        if not 0 < self.layer_loss_fraction <= 1:
+            raise TrainConfigError(f"layer_loss_fraction = {self.layer_loss_fraction}: must be in (0, 1] (e.g. 0.25)")
         if not 0 <= self.min_lr_ratio <= 1:
             raise TrainConfigError(f"min_lr_ratio = {self.min_lr_ratio}: must be in [0, 1] (e.g. 0.05)")
 

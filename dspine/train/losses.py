@@ -20,7 +20,9 @@ tensor outlives its chunk and the logits are never recomputed.
 `DrafterObjective` is one micro-batch's loss of the drafter as a module (what DDP and FSDP wrap):
   Σ_j w_j · CE(final logits_j)                       final prediction (target lm_head)
 + Σ_j w_j · CE(final logits_j + T(label_{j-1}, ·))    transition scores (DSpine selection only)
-+ Σ_l λ_l Σ_j w_j · CE(layer-l transfer scores_j)   layer-wise supervision (injection only)
++ Σ_l λ_l Σ_j w_j · CE(layer-l transfer scores_j)   layer-wise supervision (injection only; with
+                                                   `layer_loss_fraction` < 1 over a random subset
+                                                   of the blocks, reweighted to the same expectation)
 + c · BCE(confidence_j, [selected_j == label_j])      confidence head
 with position weights w_j = exp(-(j-1)/γ) on labelled slots, each term divided by its count over the
 whole optimisation step (`step_norms`: all micro-batches of all ranks), so the micro-batches' terms
@@ -168,11 +170,22 @@ class DrafterObjective(nn.Module):
     (the fused ones have no backward); its parameters are this module's."""
 
     def __init__(self, drafter: nn.Module, *, position_decay: float, confidence_weight: float,
-                 chunk_fn: Callable = chunk_gradients, chunk_rows: int | None = None):
+                 chunk_fn: Callable = chunk_gradients, chunk_rows: int | None = None, layer_loss_fraction: float = 1.0):
         super().__init__()
         self.drafter = drafter
         self.position_decay, self.confidence_weight = position_decay, confidence_weight
         self.chunk_fn, self.chunk_rows = chunk_fn, chunk_rows
+        self.layer_loss_fraction = layer_loss_fraction
+
+    def layer_loss_blocks(self, n: int, device) -> tuple[Tensor | None, float]:
+        """(blocks whose layer-wise losses this micro-batch computes, the factor on their weights):
+        all of them and 1, or with `layer_loss_fraction` f < 1 a uniform random subset of
+        m = max(1, round(f·n)) of the n blocks (torch's RNG on `device`) and n/m, so the expected
+        term equals the full one."""
+        if self.layer_loss_fraction >= 1:
+            return None, 1.0
+        m = max(1, round(self.layer_loss_fraction * n))
+        return torch.randperm(n, device=device)[:m], n / m
 
     def _ce(self, xs, ws, labels, weights, coefs):
         with record_function("dspine.train.vocab_losses"):
@@ -212,10 +225,14 @@ class DrafterObjective(nn.Module):
         if model.transition is not None:
             terms["transition"] = levels[1]
         if layer_out:
-            q = torch.cat([(o.view(n, dc.block_size, -1)[:, 1:] @ inj.score_proj.weight.T).reshape(n * slots, -1)
-                           for o, inj in zip(layer_out, model.injections)])                     # [layers·n(B-1), r]
-            lw = torch.cat([lam * w for lam in dc.layer_loss_weights])
-            layers, _, _ = self._ce([q], [table], y.repeat(len(layer_out)), lw, [1.0])
+            keep, factor = self.layer_loss_blocks(n, labels.device)
+            pick = (lambda t: t) if keep is None else (lambda t: t.index_select(0, keep))
+            q = torch.cat([(pick(o.view(n, dc.block_size, -1))[:, 1:] @ inj.score_proj.weight.T).flatten(0, 1)
+                           for o, inj in zip(layer_out, model.injections)])                     # [layers·m(B-1), r]
+            kept_w = pick(w.view(n, slots)).reshape(-1) * factor
+            lw = torch.cat([lam * kept_w for lam in dc.layer_loss_weights])
+            layers, _, _ = self._ce([q], [table], pick(labels).reshape(-1).repeat(len(layer_out)), lw,
+                                    [1.0])
             terms["layers"] = layers.detach()
             loss = loss + layers
         conf = model.confidence_logits(out.hidden[:, 1:])

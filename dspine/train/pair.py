@@ -3,8 +3,9 @@
 The step count is what the DSpine drafter reaches in `--dspine-seconds` (measured with a short
 probe run), so one device call of at most 10 minutes can hold a training run; the ablation then
 trains for exactly as many steps in a later call. Each phase writes its log
-(`train_log_<run>.json`: device, command, config, wall time, the trainer's log) and, when done, its
-exported checkpoint (`ckpt_<run>`) to `--out-dir`. Both runs use the packaged SmolLM2 training
+(`train_log_<run>.json`: device, command, config, wall time, the trainer's log) and its exported
+checkpoint (`ckpt_<run>`: the final one, or the weights so far after a `--time-limit` stop) to
+`--out-dir`. Both runs use the packaged SmolLM2 training
 configs (`dspine/train/configs/smollm2-{dspine,ablation}.yaml`).
 
   python scripts/train_pair.py probe-and-train-dspine --data D --work W --out-dir O --dspine-seconds 300
@@ -78,7 +79,7 @@ def build_config(name: str, args, steps: int) -> tuple[str, TrainConfig]:
 def _run(name: str, args, steps: int) -> Path | None:
     name, cfg = build_config(name, args, steps)
     t0 = time.perf_counter()
-    export = train(cfg, device="cuda", time_limit_s=args.time_limit, progress=False)
+    export = train(cfg, device="cuda", time_limit_s=args.time_limit, progress=False, warm_start=args.warm_start)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log = json.loads((Path(cfg.run_dir) / "log.json").read_text())
@@ -86,10 +87,13 @@ def _run(name: str, args, steps: int) -> Path | None:
                   timespec="seconds"), "command": " ".join(sys.argv), "torch": torch.__version__,
               "config": vars(cfg), "wall_seconds": time.perf_counter() - t0, "log": log}
     write_json_atomic(out / f"train_log_{name}.json", record, indent=1)
-    if export is not None:  # the ablation's weights come back too, for serving; they stay out of git
+    # the weights so far (a time-limited stop exports them too); the ablation's come back as well,
+    # for serving; they stay out of git
+    weights = Path(cfg.run_dir) / "checkpoint"
+    if weights.is_dir():
         dest = out / f"ckpt_{name}"
         shutil.rmtree(dest, ignore_errors=True)
-        shutil.copytree(export, dest)
+        shutil.copytree(weights, dest)
     return export
 
 
@@ -102,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dspine-seconds", type=float, default=300)
     p.add_argument("--max-steps", type=int, default=3000)
     p.add_argument("--time-limit", type=float, default=None, help="hard stop (s); the run resumes when re-run")
+    p.add_argument("--warm-start", action="store_true",
+                   help="the work directory's states are another run's (new data, say): continue from their "
+                        "weights with a new optimizer and schedule (`dspine train --warm-start`)")
     p.add_argument("--variant", default=None,
                    help="train-dspine: name of a variant run (e.g. top16), kept apart from the pair's")
     p.add_argument("--drafter-set", action="append", default=[], metavar="KEY=JSON",

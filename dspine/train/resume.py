@@ -40,7 +40,7 @@ from dspine.utils.atomic import write_atomic
 # shortened between sessions (the cosine schedule then decays toward the new end from the step it
 # resumes at).
 NOT_RESUME_FIELDS = ("run_dir", "data", "eval_every", "save_every", "log_every", "export_shard_bytes", "compile",
-                     "steps")
+                     "cudnn_attention", "steps")
 RESUME_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in NOT_RESUME_FIELDS)
 
 

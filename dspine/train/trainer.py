@@ -142,7 +142,7 @@ def heldout_tau(model: DSpineDrafter, target, records: list[dict], cfg: TrainCon
                                  blocks_per_seq=cfg.blocks_per_seq, window=dc.sliding_window, max_len=cfg.max_len,
                                  generator=gen).to(device)
         with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,
-                            enabled=torch.device(device).type == "cuda"):
+                            enabled=torch.device(device).type == "cuda"), attention_backends(cfg):
             hidden = target_hidden(target, batch.input_ids, dc.target_layer_ids)
             bs, length = batch.input_ids.shape
             kv = model.context_key_values(model.project_context(hidden),
@@ -216,8 +216,19 @@ def make_objective(model: DSpineDrafter, cfg: TrainConfig) -> nn.Module:
             layer.self_attn.compile()
             layer.mlp.compile()
     objective = DrafterObjective(model, position_decay=cfg.position_decay, confidence_weight=cfg.confidence_weight,
-                                 chunk_fn=chunk_fn)
+                                 chunk_fn=chunk_fn, layer_loss_fraction=cfg.layer_loss_fraction)
     return distributed.wrap(objective, distributed.context())
+
+
+def attention_backends(cfg: TrainConfig):
+    """A context in which scaled-dot-product attention (target and drafter) may use the flash,
+    memory-efficient and math kernels, and cuDNN's first when `cfg.cudnn_attention`: a cuDNN call
+    costs milliseconds of host time (its per-shape plans), which starves the device on short
+    sequences, while on long ones its masked attention is the faster (docs/training.md)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, *backends] if cfg.cudnn_attention else backends)
 
 
 def accumulate_gradients(objective: nn.Module, target, batches: list[BlockBatch], cfg: TrainConfig, *,
@@ -231,7 +242,7 @@ def accumulate_gradients(objective: nn.Module, target, batches: list[BlockBatch]
     norms = dist.all_sum(step_norms([b.labels for b in batches], cfg.position_decay))
     totals: dict[str, Tensor] = {}
     for i, batch in enumerate(batches):
-        with distributed.no_sync(objective, last=i == len(batches) - 1):
+        with distributed.no_sync(objective, last=i == len(batches) - 1), attention_backends(cfg):
             with torch.autocast(device_type="cuda" if use_amp else "cpu", dtype=torch.bfloat16, enabled=use_amp):
                 with record_function("dspine.train.target"):
                     hidden = target_hidden(target, batch.input_ids, layer_ids)
@@ -258,7 +269,9 @@ def train_step(objective: nn.Module, target, batches: list[BlockBatch], opt: tor
 def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, progress: bool = True,
           warm_start: bool = False) -> Path | None:
     """Run (or resume) training. Returns the exported checkpoint dir when `cfg.steps` is reached,
-    None when the time limit stopped it first (run again to resume).
+    None when the time limit stopped it first (run again to resume); that stop saves the state and
+    also exports the weights so far to the same dir (its config's `dspine_training.step` says how
+    far), so a campaign can be measured between sessions.
 
     Before anything is written or the target loads, in this order: the config, the data file (every
     line a record, of this target, enough of them), the run directory (writable), and for a run
@@ -331,6 +344,20 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
             write_json_atomic(run_dir / "log.json", log, indent=1)
         dist.barrier()
 
+    def export_checkpoint() -> Path:
+        export = run_dir / "checkpoint"
+        if dist.main:
+            model.eval()
+            save_checkpoint(model, export, dtype=torch.bfloat16, max_shard_bytes=cfg.export_shard_bytes,
+                            target=identity, extra_config={"dspine_training": {
+                                "data": str(cfg.data), "steps": cfg.steps, "step": step, "batch_size": cfg.batch_size,
+                                "grad_accum_steps": cfg.grad_accum_steps, "world_size": dist.world,
+                                "blocks_per_seq": cfg.blocks_per_seq, "seed": cfg.seed}})
+            model.train()
+            print(f"dspine train: exported {export} (step {step} of {cfg.steps})")
+        dist.barrier()
+        return export
+
     def micro_batches() -> list[BlockBatch]:
         first = step * cfg.grad_accum_steps * cfg.batch_size
         return [make_block_batch(sampler.take(start, cfg.batch_size), block_size=dcfg.block_size,
@@ -344,6 +371,7 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
             bar.close()
             if dist.main:
                 print(f"dspine train: time limit reached at step {step}; state saved, run again to resume")
+            export_checkpoint()
             return None
         for group in opt.param_groups:
             group["lr"] = _lr(step, cfg)
@@ -372,15 +400,4 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
             save_state()
     bar.close()
     save_state()
-    export = run_dir / "checkpoint"
-    if dist.main:
-        model.eval()
-        save_checkpoint(model, export, dtype=torch.bfloat16, max_shard_bytes=cfg.export_shard_bytes, target=identity,
-                        extra_config={"dspine_training": {"data": str(cfg.data), "steps": cfg.steps,
-                                                          "batch_size": cfg.batch_size,
-                                                          "grad_accum_steps": cfg.grad_accum_steps,
-                                                          "world_size": dist.world,
-                                                          "blocks_per_seq": cfg.blocks_per_seq, "seed": cfg.seed}})
-        print(f"dspine train: exported {export}")
-    dist.barrier()
-    return export
+    return export_checkpoint()
