@@ -25,8 +25,9 @@
 #    exported; run again on the same --work to resume), STEPS is then the campaign's whole length, and
 #    OUT/state_{dspine,ablation}.pt are travel states (`python -m dspine.train.resume travel`) to carry,
 #    with OUT/run_key_{dspine,ablation}.json. DSPINE_RESUME=DIR holding an earlier leg's four files
-#    puts them in place first, so the runs continue where that leg stopped; with DSPINE_WARM_START=1
-#    (a leg on other data) they continue from those weights with a new optimizer and schedule.
+#    puts them in place first, so the runs continue where that leg stopped; with DSPINE_NEW_DATA=1 (the
+#    data grew) they go on with everything but the data, with DSPINE_WARM_START=1 (other settings)
+#    from those weights with a new optimizer and schedule.
 #    DSPINE_ACCEPT=0 skips step 3.
 # 2. scripts/train_pair.py: the DSpine drafter (or VARIANT) and the ablation, one process each, sharing the GPU.
 # 3. bench-accept, one process per drafter (32 prompts per set, 160 new tokens, T=0 and T=1; greedy
@@ -86,6 +87,7 @@ for kv in ${DSPINE_TRAIN_SET:-}; do COMMON+=(--set "$kv"); done
 [ -z "${DSPINE_TARGET:-}" ] || COMMON+=(--set "target=$DSPINE_TARGET")
 [ -z "${DSPINE_TRAIN_SECONDS:-}" ] || COMMON+=(--time-limit "$DSPINE_TRAIN_SECONDS")
 [ "${DSPINE_WARM_START:-0}" = 0 ] || COMMON+=(--warm-start)
+[ "${DSPINE_NEW_DATA:-0}" = 0 ] || COMMON+=(--new-data)
 python3 scripts/train_pair.py "${DSPINE_RUN[@]}" "${COMMON[@]}" > "$OUT/train-dspine.log" 2>&1 &
 dspine_pid=$!
 python3 scripts/train_pair.py train-ablation "${COMMON[@]}" > "$OUT/train-ablation.log" 2>&1

@@ -59,13 +59,13 @@ def test_campaign_settings_reach_both_runs_alike_and_only_top_level_ones_are_tak
         assert message in capsys.readouterr().err
 
 
-def test_a_leg_passes_its_time_limit_and_warm_start_and_copies_the_weights_so_far(tmp_path, monkeypatch):
-    """A campaign leg: --time-limit and --warm-start reach the trainer; a run its time limit stopped
+def test_a_leg_passes_its_time_limit_and_resume_modes_and_copies_the_weights_so_far(tmp_path, monkeypatch):
+    """A campaign leg: --time-limit, --warm-start and --new-data reach the trainer; a run its time limit stopped
     (train returns None) still leaves its weights so far as ckpt_<run> in --out-dir."""
     seen = {}
 
-    def fake_train(cfg, *, device, time_limit_s, progress, warm_start):
-        seen.update(time_limit_s=time_limit_s, warm_start=warm_start, run_dir=cfg.run_dir)
+    def fake_train(cfg, *, device, time_limit_s, progress, warm_start, new_data):
+        seen.update(time_limit_s=time_limit_s, warm_start=warm_start, new_data=new_data, run_dir=cfg.run_dir)
         ckpt = tmp_path / "w" / "ablation" / "checkpoint"
         ckpt.mkdir(parents=True)
         (ckpt / "config.json").write_text("{}")
@@ -75,7 +75,8 @@ def test_a_leg_passes_its_time_limit_and_warm_start_and_copies_the_weights_so_fa
     monkeypatch.setattr(pair, "train", fake_train)
     monkeypatch.setattr(pair.torch.cuda, "get_device_name", lambda: "test device")
     assert pair.main(["train-ablation", "--data", "d", "--work", str(tmp_path / "w"), "--out-dir",
-                      str(tmp_path / "o"), "--steps", "5", "--time-limit", "30", "--warm-start"]) == 0
-    assert seen == {"time_limit_s": 30.0, "warm_start": True, "run_dir": str(tmp_path / "w" / "ablation")}
+                      str(tmp_path / "o"), "--steps", "5", "--time-limit", "30", "--warm-start", "--new-data"]) == 0
+    assert seen == {"time_limit_s": 30.0, "warm_start": True, "new_data": True,
+                    "run_dir": str(tmp_path / "w" / "ablation")}
     assert (tmp_path / "o" / "ckpt_ablation" / "config.json").is_file()
     assert (tmp_path / "o" / "train_log_ablation.json").is_file()

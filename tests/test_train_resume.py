@@ -117,3 +117,40 @@ def test_travel_refuses_what_is_not_a_training_state(tmp_path):
     with pytest.raises(SystemExit):
         resume.main(["travel", str(tmp_path / "x.pt"), str(tmp_path / "out.pt")])
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_grown_data_file_goes_on_with_new_data_only(tmp_path, tiny_target_dir):  # noqa: F811
+    """The data file grew (records appended): refused without a flag, naming --new-data; with it the
+    run goes on at its step with its optimizer and log, the change recorded. A config change with new
+    data is still refused under --new-data."""
+    cfg = _config(tmp_path, tiny_target_dir, steps=5)
+    trainer.train(cfg, device="cpu", progress=False)
+    run = tmp_path / "run"
+    saved = final_state(run)
+    with open(cfg.data, "a") as f:
+        for k in range(3):
+            f.write(json.dumps({"id": f"more-{k}", "ids": [1, 2, 3] + [50, 60 + k, 70] * 8, "answer_start": 3}) + "\n")
+    with pytest.raises(TrainConfigError, match="--new-data"):
+        trainer.train(TrainConfig(**{**cfg.__dict__, "steps": 8}), device="cpu", progress=False)
+    with pytest.raises(TrainConfigError, match="config lr"):
+        trainer.train(TrainConfig(**{**cfg.__dict__, "steps": 8, "lr": 3e-3}), device="cpu", progress=False,
+                      new_data=True)
+    trainer.train(TrainConfig(**{**cfg.__dict__, "steps": 8}), device="cpu", progress=False, new_data=True)
+    state = final_state(run)
+    assert state["step"] == 8 and state["log"][: len(saved["log"])] == saved["log"]      # the same run, continued
+    assert state["optimizer"]["state"][0]["step"] == 8                                   # its moments kept
+    assert state["key"]["records"] == saved["key"]["records"] + 3
+    change, = json.loads((run / "data_changes.json").read_text())
+    assert change["step"] == 5 and change["to"]["records"] == change["from"]["records"] + 3
+
+
+def test_the_held_out_split_never_takes_a_training_record_when_the_file_grows():
+    recs = [{"id": f"c{k}", "ids": [k], "answer_start": 0} for k in range(200)]
+    held, rest = trainer.split_heldout(recs, 16)
+    assert len(held) == 16 and len(rest) == 184 and {r["id"] for r in held}.isdisjoint(r["id"] for r in rest)
+    assert [r["id"] for r in rest] == [r["id"] for r in recs if r not in held]          # file order kept
+    grown = recs + [{"id": f"n{k}", "ids": [k], "answer_start": 0} for k in range(300)]
+    held2, _ = trainer.split_heldout(grown, 16)
+    assert not {r["id"] for r in held2} & {r["id"] for r in rest}                        # never a trained-on one
+    assert {r["id"] for r in held2} != {r["id"] for r in held}                           # new records can enter
+    assert trainer.split_heldout(list(reversed(recs)), 16)[0] == held                    # by content, not position

@@ -44,7 +44,8 @@ def cmd_train(args) -> int:
             print(profile_training(cfg, device=device, steps=args.profile_steps))
             return 0
         limit = args.time_limit_minutes * 60 if args.time_limit_minutes else None
-        export = train(cfg, device=device, time_limit_s=limit, progress=not args.quiet, warm_start=args.warm_start)
+        export = train(cfg, device=device, time_limit_s=limit, progress=not args.quiet, warm_start=args.warm_start,
+                       new_data=args.new_data)
     except (TrainConfigError, TargetLoadError) as exc:
         print(f"dspine train: error: {exc}", file=sys.stderr)
         return 2
@@ -107,6 +108,7 @@ def add_command(sub) -> None:
                                    "Examples:\n"
                                    "  dspine train smollm2-dspine --data runs/data/smollm2.jsonl\n"
                                    "  dspine train smollm2-ablation --data ... --time-limit-minutes 8\n"
+                                   "  dspine train smollm2-dspine --data more.jsonl --new-data    # same run, grown data\n"
                                    "  dspine train my.yaml --target ./my-target --set lr=3e-4 --set drafter.injection_top_k=16")
     t.add_argument("config", help="a packaged training config name (smollm2-dspine, smollm2-ablation) or a YAML path")
     t.add_argument("--data", help="JSONL from `dspine gen-data` (overrides the config)")
@@ -124,6 +126,9 @@ def add_command(sub) -> None:
     t.add_argument("--warm-start", action="store_true",
                    help="the run directory's state is another run's (config, target or data differ): continue from "
                         "its weights with a new optimizer, schedule and log (without it such a state is refused)")
+    t.add_argument("--new-data", action="store_true",
+                   help="only the data file differs from the saved state's (a campaign's data grew): go on with the "
+                        "weights, optimizer, schedule and log, drawing batches from the new file")
     t.add_argument("-q", "--quiet", action="store_true")
     t.set_defaults(func=cmd_train)
 

@@ -79,7 +79,8 @@ def build_config(name: str, args, steps: int) -> tuple[str, TrainConfig]:
 def _run(name: str, args, steps: int) -> Path | None:
     name, cfg = build_config(name, args, steps)
     t0 = time.perf_counter()
-    export = train(cfg, device="cuda", time_limit_s=args.time_limit, progress=False, warm_start=args.warm_start)
+    export = train(cfg, device="cuda", time_limit_s=args.time_limit, progress=False, warm_start=args.warm_start,
+                   new_data=args.new_data)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log = json.loads((Path(cfg.run_dir) / "log.json").read_text())
@@ -109,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-start", action="store_true",
                    help="the work directory's states are another run's (new data, say): continue from their "
                         "weights with a new optimizer and schedule (`dspine train --warm-start`)")
+    p.add_argument("--new-data", action="store_true",
+                   help="only the data file differs from the states' (the campaign's data grew): go on with "
+                        "everything but the data (`dspine train --new-data`)")
     p.add_argument("--variant", default=None,
                    help="train-dspine: name of a variant run (e.g. top16), kept apart from the pair's")
     p.add_argument("--drafter-set", action="append", default=[], metavar="KEY=JSON",

@@ -11,7 +11,9 @@ The data position is a function of (seed, step, batch shape, records): `Sequence
 batches by position, so the same key and step give the same next batch on any host. Resuming with
 a different key would silently train another run, so `check` refuses it and names each difference;
 `--warm-start` instead keeps only the saved weights and starts a fresh optimizer, schedule and log
-(the log records what it started from).
+(the log records what it started from). When only the data file differs (a campaign's data grew),
+`--new-data` goes on with everything but the data: batches are drawn from the new file from the
+saved step on; `RUN_DIR/data_changes.json` lists each change.
 
 A travel state (`travel_state`, `python -m dspine.train.resume travel STATE OUT`) is the same dict
 without the optimizer: the fp32 weights, step, log, RNG states and key, a third of the size (76 MB
@@ -79,17 +81,23 @@ def differences(saved: dict, current: dict) -> list[str]:
     return found
 
 
-def check(saved: dict | None, current: dict, *, state_file: Path, warm_start: bool) -> str:
-    """"resume" or "warm-start" for a run whose `state_file` holds `saved` (None: a state written
-    without a key); TrainConfigError naming every difference and both fixes otherwise."""
+def check(saved: dict | None, current: dict, *, state_file: Path, warm_start: bool, new_data: bool = False) -> str:
+    """"resume", "new-data" or "warm-start" for a run whose `state_file` holds `saved` (None: a state
+    written without a key); TrainConfigError naming every difference and the fixes otherwise.
+    "new-data": only the data file differs and `new_data` allows it (the run goes on, optimizer and
+    schedule included, drawing its batches from the new file)."""
     found = ["the saved state has no run key"] if saved is None else differences(saved, current)
     if not found:
         return "resume"
+    only_data = saved is not None and found == [f for f in found if f.startswith("data:")]
+    if new_data and only_data:
+        return "new-data"
     if warm_start:
         return "warm-start"
+    more = " or --new-data to go on with this data file (same optimizer and schedule)" if only_data else ""
     raise TrainConfigError(f"{state_file} belongs to another run: " + "; ".join(found) + ". Fix: train with the "
                            "saved config, target and data to resume, pass --warm-start to start a new schedule "
-                           "from the saved weights, or use another --run-dir")
+                           f"from the saved weights{more}, or use another --run-dir")
 
 
 def rng_state() -> dict:
