@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -32,6 +33,23 @@ def test_sampler_shards_are_disjoint_epochs_complete_and_positions_reproducible(
     assert torch.equal(torch.randint(0, 99, (5,), generator=resumed.generator(30)),
                        torch.randint(0, 99, (5,), generator=streams[1].generator(30)))
     assert streams[0].take(0, 10) != distributed.SequenceSampler(records, seed=5, rank=0, world=3).take(0, 10)
+
+
+def test_length_grouping_sorts_runs_of_an_epoch_and_keeps_its_records():
+    """group = 8: each run of 8 positions of an epoch holds the same records as without grouping,
+    sorted by length; an epoch still takes every record once; group 1 is the plain order."""
+    g = random.Random(0)
+    records = [{"ids": [i] * g.randint(1, 40)} for i in range(45)]
+    plain = distributed.SequenceSampler(records, seed=2, rank=0, world=1)
+    grouped = distributed.SequenceSampler(records, seed=2, rank=0, world=1, group=8)
+    assert distributed.SequenceSampler(records, seed=2, rank=0, world=1, group=1).take(0, 45) == plain.take(0, 45)
+    for start in [e * 45 + k for e in (0, 1) for k in range(0, 45, 8)]:   # two epochs; each ends on a short run
+        count = min(8, 45 - start % 45)
+        a, b = plain.take(start, count), grouped.take(start, count)
+        assert sorted(r["ids"][0] for r in a) == sorted(r["ids"][0] for r in b)
+        assert [len(r["ids"]) for r in b] == sorted(len(r["ids"]) for r in b)
+    assert sorted(r["ids"][0] for r in grouped.take(45, 45)) == list(range(45))
+    assert [len(r["ids"]) for r in grouped.take(0, 45)] != sorted(len(r["ids"]) for r in records)  # runs, not all
 
 
 def _split(batch: BlockBatch, rows: slice) -> BlockBatch:

@@ -110,6 +110,9 @@ class TrainConfig:
     # The layer-wise losses (5 of the 7 vocabulary-sized ones) on this fraction of each micro-batch's
     # blocks, drawn at random and reweighted: the same expected loss for less work.
     layer_loss_fraction: float = 1.0
+    # Sequences drawn in runs of length_group_batches × batch_size, each run sorted by length, so a
+    # batch pads to a length near its own (0: no grouping). Pays where lengths spread widely.
+    length_group_batches: int = 0
 
     def __post_init__(self) -> None:
         checked = _check_fields(type(self), dataclasses.asdict(self), "")
@@ -120,7 +123,7 @@ class TrainConfig:
                      "export_shard_bytes", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise TrainConfigError(f"{name} = {getattr(self, name)}: must be >= 1")
-        for name in ("heldout_sequences", "warmup_steps", "weight_decay", "confidence_weight"):
+        for name in ("heldout_sequences", "warmup_steps", "weight_decay", "confidence_weight", "length_group_batches"):
             if getattr(self, name) < 0:
                 raise TrainConfigError(f"{name} = {getattr(self, name)}: must be >= 0")
         for name, example in (("lr", "6e-4"), ("grad_clip", "1.0"), ("position_decay", "7.0")):

@@ -12,7 +12,9 @@ Invariants:
   micro-batch, grad_accum_steps micro-batches, so after s steps rank r stands at sequence
   s · batch_size · grad_accum_steps of its stream. Batches and anchors are pure functions of
   (seed, rank, world, position): a resumed run (same world size) continues every rank where it
-  stopped. The global batch is batch_size × world × grad_accum_steps sequences.
+  stopped. The global batch is batch_size × world × grad_accum_steps sequences. With length
+  grouping, each run of `group` positions of an epoch's permutation is sorted by sequence length
+  (the same records, so an epoch still takes each once), so a batch pads less.
 * Loss: each term is normalised by counts summed over the step's micro-batches and ranks
   (`dspine.train.losses.step_norms`), and each rank's backward is scaled by the world size,
   which cancels DDP's gradient averaging: the gradient is that of the global batch as one batch.
@@ -114,19 +116,22 @@ def unwrap(objective: nn.Module) -> nn.Module:
 class SequenceSampler:
     """Rank `rank`'s stream of training records (module docstring): `take(start, count)` gives the
     records at positions start..start+count-1 of the stream, `generator(start)` the anchor RNG of
-    the batch that starts there."""
+    the batch that starts there. `group` > 1 sorts each run of that many positions by length."""
 
-    def __init__(self, records: list[dict], *, seed: int, rank: int, world: int):
+    def __init__(self, records: list[dict], *, seed: int, rank: int, world: int, group: int = 1):
         self.shard = records[rank::world]
         if not self.shard:
             raise ValueError(f"rank {rank} of {world} has no training records: use fewer processes or more data")
-        self.seed, self.rank = seed, rank
+        self.seed, self.rank, self.group = seed, rank, group
         self._epochs: dict[int, list[int]] = {}
 
     def _order(self, epoch: int) -> list[int]:
         if epoch not in self._epochs:
             order = list(range(len(self.shard)))
             random.Random(f"{self.seed}:{self.rank}:{epoch}").shuffle(order)
+            if self.group > 1:
+                for i in range(0, len(order), self.group):
+                    order[i:i + self.group] = sorted(order[i:i + self.group], key=lambda j: len(self.shard[j]["ids"]))
             self._epochs = {epoch: order}  # positions only move forward: keep the current epoch
         return self._epochs[epoch]
 

@@ -357,7 +357,8 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
             print(f"dspine train: {WHAT_IT_DID[mode]} {run_dir} at step "
                   f"{state['step']}" + (" (weights only; new optimizer and schedule)" if mode == "warm-start" else ""))
     objective = make_objective(model, cfg)
-    sampler = distributed.SequenceSampler(records, seed=cfg.seed, rank=dist.rank, world=dist.world)
+    sampler = distributed.SequenceSampler(records, seed=cfg.seed, rank=dist.rank, world=dist.world,
+                                          group=max(1, cfg.length_group_batches * cfg.batch_size))
     bar = tqdm(total=cfg.steps, initial=step, desc=f"train {run_dir.name}", unit="step",
                disable=not (progress and dist.main))
     use_amp = device.startswith("cuda")
