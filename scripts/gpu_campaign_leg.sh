@@ -14,6 +14,8 @@
 #   RESUME          folder with the previous leg's back/ files (state_*.pt, run_key_*.json); none on the
 #                   first leg. DSPINE_NEW_DATA=1 when the data grew since that leg.
 #
+# bench-accept reads the evaluation prompts' export .gpu-dspine/prompts (carry it).
+#
 # OUT/back: state_{dspine,ablation}.pt (travel states), run_key_{dspine,ablation}.json,
 # train_log_{dspine,ablation}.json, acceptance_smollm2.json, acc/ and ckpt_dspine; it comes back with
 # `dspine_collect OUT/back` (xz pieces, about 170 MB: two calls).

@@ -13,7 +13,9 @@
 #   VARIANT          a DSpine variant name and its drafter overrides, trained instead of the
 #                    configured DSpine drafter, e.g. top16 injection_top_k=16 (several: 'KEY=JSON KEY=JSON')
 #
-# Needs $DSPINE_PROMPTS_DIR's export of all training prompts (.gpu-dspine/prompts-full, carried).
+# Prompts come from exports (`dspine.data.prompt_sources.export_prompts`; the host has no data
+# packages): step 1 reads all training prompts from .gpu-dspine/prompts-full (or
+# $DSPINE_PROMPTS_FULL), step 3 the evaluation sets from .gpu-dspine/prompts (or $DSPINE_EVAL_PROMPTS).
 # 1. an AR server of the target; gen-data greedy (every prompt) and sampled (the first SAMPLED_PROMPTS)
 #    as two clients at once; the server stops; the two files join into OUT/data.jsonl. With
 #    DSPINE_DATA=FILE (.jsonl or .jsonl.gz, e.g. an earlier run's OUT/data.jsonl.gz) that file is the
@@ -38,7 +40,8 @@ cd "$(dirname "$0")/.."
 OUT=${1:?OUT directory}; SAMPLED=${2:-6000}; STEPS=${3:-2000}; VARIANT=${4:-}; VARIANT_SET=${5:-}
 # shellcheck source=/dev/null
 source scripts/gpu_host_sglang.sh
-export DSPINE_PROMPTS_DIR=${DSPINE_PROMPTS_DIR_FULL:-$PWD/.gpu-dspine/prompts-full}
+TRAIN_PROMPTS=${DSPINE_PROMPTS_FULL:-$PWD/.gpu-dspine/prompts-full}
+EVAL_PROMPTS=${DSPINE_EVAL_PROMPTS:-$PWD/.gpu-dspine/prompts}
 mkdir -p "$OUT/acc"
 T0=$SECONDS
 say() { echo "[gpu_train_pair +$((SECONDS - T0))s] $*"; }
@@ -52,7 +55,7 @@ else
   trap 'dspine_server_stop 30000' EXIT
   say "server up"
   GEN=(python3 -m dspine.cli gen-data --server http://127.0.0.1:30000 --target "$SMOLLM2" --batch-size 8
-       --concurrency 32 -q)
+       --concurrency 32 --prompts-dir "$TRAIN_PROMPTS" -q)
   "${GEN[@]}" --out "$OUT/greedy.jsonl" &
   greedy=$!
   "${GEN[@]}" --out "$OUT/sampled.jsonl" --num-prompts "$SAMPLED" --temperature 1 --top-p 0.95 --top-k 20
@@ -102,6 +105,7 @@ fi
 
 [ "${DSPINE_ACCEPT:-1}" != 0 ] || { say "done (no bench-accept: DSPINE_ACCEPT=0)"; exit 0; }
 ACC=(python3 -m dspine.cli bench-accept --num-prompts 32 --max-new-tokens 160 --batch-size 32 --device cuda
+     --prompts-dir "$EVAL_PROMPTS"
      "${TARGET_ARGS[@]}")
 "${ACC[@]}" --drafter "dspine=$OUT/ckpt_$NAME" --check-parity --out "$OUT/acc/dspine.json" > "$OUT/acc/dspine.log" 2>&1 &
 acc_pid=$!
