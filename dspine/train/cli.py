@@ -95,6 +95,16 @@ def cmd_bench_accept(args) -> int:
     return run_bench_accept(args)
 
 
+def add_resume_modes(p: argparse.ArgumentParser) -> None:
+    """--warm-start and --new-data: how a run directory holding another run's state goes on."""
+    p.add_argument("--warm-start", action="store_true",
+                   help="the run directory's state is another run's (config, target or data differ): continue from "
+                        "its weights with a new optimizer, schedule and log (without it such a state is refused)")
+    p.add_argument("--new-data", action="store_true",
+                   help="only the data file differs from the saved state's (a campaign's data grew): go on with the "
+                        "weights, optimizer, schedule and log, drawing batches from the new file")
+
+
 def add_command(sub) -> None:
     raw = argparse.RawDescriptionHelpFormatter
     g = sub.add_parser("gen-data", help="regenerate training answers with the target itself", formatter_class=raw,
@@ -123,12 +133,7 @@ def add_command(sub) -> None:
                    help="> 0: save the state and exit with status 3 after this long (run again to resume)")
     t.add_argument("--profile-steps", type=cli_args.non_negative_int, default=0, metavar="N",
                    help="profile N steps (after 3 warm-up steps) and print where the time goes; trains nothing")
-    t.add_argument("--warm-start", action="store_true",
-                   help="the run directory's state is another run's (config, target or data differ): continue from "
-                        "its weights with a new optimizer, schedule and log (without it such a state is refused)")
-    t.add_argument("--new-data", action="store_true",
-                   help="only the data file differs from the saved state's (a campaign's data grew): go on with the "
-                        "weights, optimizer, schedule and log, drawing batches from the new file")
+    add_resume_modes(t)
     t.add_argument("-q", "--quiet", action="store_true")
     t.set_defaults(func=cmd_train)
 

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from dspine.train.cli import add_resume_modes
 from dspine.train.trainer import TrainConfig, train
 from dspine.utils.atomic import write_json_atomic
 
@@ -107,12 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dspine-seconds", type=float, default=300)
     p.add_argument("--max-steps", type=int, default=3000)
     p.add_argument("--time-limit", type=float, default=None, help="hard stop (s); the run resumes when re-run")
-    p.add_argument("--warm-start", action="store_true",
-                   help="the work directory's states are another run's (new data, say): continue from their "
-                        "weights with a new optimizer and schedule (`dspine train --warm-start`)")
-    p.add_argument("--new-data", action="store_true",
-                   help="only the data file differs from the states' (the campaign's data grew): go on with "
-                        "everything but the data (`dspine train --new-data`)")
+    add_resume_modes(p)  # for both runs' states in --work, as `dspine train` takes them
     p.add_argument("--variant", default=None,
                    help="train-dspine: name of a variant run (e.g. top16), kept apart from the pair's")
     p.add_argument("--drafter-set", action="append", default=[], metavar="KEY=JSON",
