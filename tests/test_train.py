@@ -298,3 +298,27 @@ def test_training_through_the_fused_loss_kernel_follows_the_pytorch_chunks(tmp_p
     for a, b in zip(*logs):
         for key in ("final", "transition", "layers", "total"):
             assert b[key] == pytest.approx(a[key], rel=1e-3), (a["step"], key)
+
+
+def test_throughput_benchmark_times_a_data_files_sequences_with_length_grouping(tmp_path):
+    """--data: the figures come from a gen-data file's sequences (the report says which); the
+    campaign's variant (cuDNN allowed, a quarter of the layer-wise rows, length groups) runs."""
+    from transformers import LlamaConfig
+
+    from dspine.bench.train_throughput import main
+
+    LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=True).save_pretrained(tmp_path / "tiny")
+    g = torch.Generator().manual_seed(0)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"id": f"r{k}", "ids": torch.randint(4, 300, (int(n),), generator=g).tolist(),
+                                        "answer_start": 4}) + "\n" for k, n in enumerate(range(12, 60, 3))))
+    out = tmp_path / "bench.json"
+    assert main(["--variants", "smollm2:new:b32x128+cudnn+layers0.25+group16", "--target",
+                 f"smollm2=random:{tmp_path / 'tiny'}", "--max-len", "48", "--batch-size", "2", "--warmup", "1",
+                 "--steps", "2", "--data", str(data), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["data"] == str(data)
+    figures = report["variants"]["smollm2:new:b2x128+cudnn+layers0.25+group16"]
+    assert figures["length_groups"] == 16 and figures["layer_fraction"] == 0.25 and figures["cudnn"] is True
+    assert figures["label_tokens_per_s"] > 0

