@@ -34,6 +34,25 @@ def test_block_batch_masks_and_labels():
             assert blk == list(range(k * 4, k * 4 + 4))
 
 
+def test_anchors_are_distinct_and_a_short_answers_repeats_carry_no_labels():
+    from dspine.train.blocks import draw_anchors
+
+    g = torch.Generator().manual_seed(1)
+    starts = torch.arange(40, 90)
+    anchors, repeat = draw_anchors(starts, 16, g)
+    assert len(set(anchors.tolist())) == 16 and not repeat.any()                   # without replacement
+    assert anchors.tolist() == sorted(anchors.tolist()) and set(anchors.tolist()) <= set(starts.tolist())
+    few = torch.tensor([5, 9, 12])
+    anchors, repeat = draw_anchors(few, 8, g)
+    assert anchors.tolist() == sorted(anchors.tolist()) and int(repeat.sum()) == 5
+    assert sorted(anchors[~repeat].tolist()) == [5, 9, 12]                          # each start once, unflagged
+    rec = {"ids": list(range(100, 112)), "answer_start": 8}                       # starts 8, 9, 10
+    b = make_block_batch([rec], block_size=3, blocks_per_seq=6, window=4, max_len=64, generator=g,
+                         length_multiple=4)
+    labelled = [a for a, y in zip(b.anchors[0].tolist(), b.labels.tolist()) if y != [-100, -100]]
+    assert sorted(labelled) == [8, 9, 10]                                         # three blocks weigh, not six
+
+
 @pytest.mark.parametrize("which", ["llama", "qwen3"])
 def test_target_hidden_runs_only_the_needed_layers_and_equals_output_hidden_states(which):
     from conftest import tiny_llama, tiny_qwen3

@@ -54,10 +54,25 @@ class BlockBatch:
         return torch.cat([ctx_mask, (blk[:, None] == blk[None])[None].expand(bs, -1, -1)], dim=2)
 
 
+def draw_anchors(starts: Tensor, count: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """`count` anchors from the candidate positions `starts` [m]: without replacement (ascending),
+    or, when m < count, all m once and count - m repeats drawn among them. Returns (anchors [count],
+    repeat [count] bool): a repeat's labels are ignored, so every anchor weighs the same whatever its
+    sequence's answer length."""
+    m = len(starts)
+    if m >= count:
+        picked = starts[torch.randperm(m, generator=generator)[:count]]
+        return picked.sort().values, torch.zeros(count, dtype=torch.bool)
+    chosen = torch.cat([starts, starts[torch.randint(m, (count - m,), generator=generator)]])
+    order = chosen.sort(stable=True).indices
+    return chosen[order], order >= m
+
+
 def make_block_batch(records: list[dict], *, block_size: int, blocks_per_seq: int, window: int, max_len: int,
                      generator: torch.Generator, length_multiple: int = 64) -> BlockBatch:
-    """Pad `records` ({"ids", "answer_start"}) to one batch and draw `blocks_per_seq` anchors each,
-    uniformly over answer positions (with replacement when the answer is short). The padded length
+    """Pad `records` ({"ids", "answer_start"}) to one batch and draw `blocks_per_seq` anchors each
+    among the answer positions (`draw_anchors`: distinct ones; a short answer's repeats carry no
+    labels). The padded length
     is a multiple of `length_multiple`: few distinct shapes, so attention backends reuse their
     per-shape plans (cuDNN's cost milliseconds of CPU each).
 
@@ -74,26 +89,26 @@ def make_block_batch(records: list[dict], *, block_size: int, blocks_per_seq: in
     lens = torch.tensor([len(s) for s in seqs])
     valid = torch.arange(length)[None] < lens[:, None]
     anchors = torch.empty(bs, blocks_per_seq, dtype=torch.long)
+    repeats = torch.zeros(bs, blocks_per_seq, dtype=torch.bool)
     in_answer = torch.ones(bs, length, dtype=torch.bool)      # label positions; answer_spans narrow them
     for b, r in enumerate(records):
         n = len(seqs[b])
+        starts = None
         if r.get("answer_spans"):
             in_answer[b] = False
             for start, end in r["answer_spans"]:
                 in_answer[b, start:min(end, n)] = True
             starts = (in_answer[b, 1:n - 1] & in_answer[b, 2:n]).nonzero().flatten() + 1
-            if len(starts):
-                pick = torch.randint(len(starts), (blocks_per_seq,), generator=generator)
-                anchors[b] = starts[pick].sort().values
-                continue
-        lo = min(max(r["answer_start"], 1), n - 2)   # an anchor needs context and a next token
-        hi = n - 2
-        anchors[b] = torch.randint(lo, hi + 1, (blocks_per_seq,), generator=generator).sort().values
+        if starts is None or not len(starts):
+            lo = min(max(r["answer_start"], 1), n - 2)   # an anchor needs context and a next token
+            starts = torch.arange(lo, n - 1)
+        anchors[b], repeats[b] = draw_anchors(starts, blocks_per_seq, generator)
     offsets = torch.arange(block_size)
     slot_pos = anchors[..., None] + offsets                                           # [bs, nb, B]
     flat_pos = slot_pos.clamp(max=length - 1).view(bs, -1)
     labels = input_ids.gather(1, flat_pos).view(bs, blocks_per_seq, block_size)
     outside = (slot_pos >= lens[:, None, None]) | ~in_answer.gather(1, flat_pos).view_as(slot_pos)
+    outside |= repeats[..., None]
     labels = labels.masked_fill(outside, -100)[..., 1:]                               # [bs, nb, B-1]
     return BlockBatch(input_ids, valid, anchors, input_ids.gather(1, anchors), slot_pos.view(bs, -1),
                       labels.reshape(bs * blocks_per_seq, block_size - 1), block_size, window)

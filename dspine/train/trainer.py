@@ -153,7 +153,8 @@ def target_hidden(target, input_ids: Tensor, layer_ids: list[int]) -> Tensor:
 def heldout_tau(model: DSpineDrafter, target, records: list[dict], cfg: TrainConfig, device) -> float:
     """Teacher-forced acceptance estimate: per block, 1 + the number of leading slots whose selected
     token equals the target's answer token (greedy answers, so equal to the target's argmax). Slots
-    past the end of the sequence end the count (they are not free acceptances)."""
+    past the end of the sequence end the count (they are not free acceptances); a short answer's
+    repeated anchors (`draw_anchors`) are not counted."""
     model.eval()
     dc = model.config
     gen = torch.Generator().manual_seed(1234)
@@ -175,8 +176,9 @@ def heldout_tau(model: DSpineDrafter, target, records: list[dict], cfg: TrainCon
                             top_k=dc.selection_top_k, lam=dc.transition_lambda, scorer=model.transition,
                             table=model.transfer_table())
         ok = sel.tokens == batch.labels
-        total += float((ok.long().cumprod(-1).sum(-1) + 1).sum())
-        blocks += n
+        drawn = batch.labels[:, 0] >= 0        # a drawn anchor labels its next token; a repeat labels none
+        total += float(((ok.long().cumprod(-1).sum(-1) + 1) * drawn).sum())
+        blocks += int(drawn.sum())
     model.train()
     return total / max(blocks, 1)
 
