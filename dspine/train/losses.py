@@ -170,7 +170,8 @@ class DrafterObjective(nn.Module):
     (the fused ones have no backward); its parameters are this module's."""
 
     def __init__(self, drafter: nn.Module, *, position_decay: float, confidence_weight: float,
-                 chunk_fn: Callable = chunk_gradients, chunk_rows: int | None = None, layer_loss_fraction: float = 1.0):
+                 chunk_fn: Callable = chunk_gradients, chunk_rows: int | None = None,
+                 layer_loss_fraction: float = 1.0):
         super().__init__()
         self.drafter = drafter
         self.position_decay, self.confidence_weight = position_decay, confidence_weight

@@ -356,8 +356,8 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
             write_json_atomic(run_dir / "warm_start.json", {"from_step": state["step"], "from_key": state.get("key"),
                                                             "differences": resume.differences(state.get("key") or {}, key)})
         if dist.main:
-            print(f"dspine train: {WHAT_IT_DID[mode]} {run_dir} at step "
-                  f"{state['step']}" + (" (weights only; new optimizer and schedule)" if mode == "warm-start" else ""))
+            note = " (weights only; new optimizer and schedule)" if mode == "warm-start" else ""
+            print(f"dspine train: {WHAT_IT_DID[mode]} {run_dir} at step {state['step']}{note}")
     objective = make_objective(model, cfg)
     sampler = distributed.SequenceSampler(records, seed=cfg.seed, rank=dist.rank, world=dist.world,
                                           group=max(1, cfg.length_group_batches * cfg.batch_size))
