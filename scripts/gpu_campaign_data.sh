@@ -21,7 +21,8 @@
 #   MINUTES     generation time (default 18)
 #   SERVERS     (environment) servers per answer kind (default 2)
 #
-# OUT: progress.txt, the clients' logs, records/{greedy,sampled}.jsonl. Started with dspine_bg (it
+# OUT: progress.txt, the clients' logs, each server's last batch lines (batches-*.txt: are they
+# full, and how fast?), records/{greedy,sampled}.jsonl. Started with dspine_bg (it
 # outlives the call), it comes back with `dspine_collect OUT/records` in the calls after it ends:
 # xz pieces of <= 15 MiB, 7 a call. Here: `python -m dspine.utils.pieces join DIR records.tar.xz --name
 # records.tar.xz`, `tar xJf`, and `cat` the ranges' files into one gen-data file for `dspine train --data`.
@@ -82,6 +83,12 @@ greedy=$!
 wait $greedy || say "greedy client stopped (rc $?; 124: its time was up; its records are kept)"
 stop_all
 trap - EXIT
+# what the servers did (batch sizes, token usage, generation throughput): the last of SGLang's
+# periodic batch lines of each server, beside the clients' logs
+for ((k = 0; k < 2 * SERVERS; k++)); do
+  kind=$([ $((k % 2)) = 0 ] && echo greedy || echo sampled)
+  grep -hE "Decode batch|Prefill batch" "$DSPINE_LOGS/$kind-$k.log" 2>/dev/null | tail -n 40 > "$OUT/batches-$kind-$k.txt" || true
+done
 
 mkdir -p "$OUT/records"
 for kind in greedy sampled; do
