@@ -122,6 +122,11 @@ def test_training_reduces_loss_resumes_and_exports(tmp_path, tiny_target_dir):
     assert log[-1]["final"] < log[0]["final"] - 0.5
     for key in ("transition", "layers", "confidence"):
         assert key in log[-1]
+    seen = [e["labels_seen"] for e in log]                      # cumulative, and what the steps labelled
+    assert seen == sorted(seen) and seen[0] > 0 and log[-1]["device_seconds"] > log[0]["device_seconds"]
+    card = (export / "README.md").read_text()
+    assert f"steps 30, label tokens seen {seen[-1]}, device-minutes" in card and "1 x CPU" in card
+    assert "Data hash: " in card and "(12 sequences)" in card
     model = load_checkpoint(export)
     assert model.config.block_size == 4 and model.config.injection
     from transformers import AutoConfig

@@ -84,6 +84,19 @@ def check_data_target(records: list[dict], identity: dict, data: str | os.PathLi
               f"{identity['name']!r}", file=sys.stderr)
 
 
+def training_card(log: list[dict], key: dict, step: int, device: str, world: int) -> dict:
+    """The model card's training record: the data file's hash and size, the code version, and the
+    budget as of the last log entry (steps, label tokens seen, device-minutes on which devices; a
+    warm-started run counts from its own start, `warm_start.json` says from what)."""
+    from dspine import __version__
+
+    last = log[-1] if log else {}
+    name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "CPU"
+    return {"data_hash": f"{key['data']} ({key['records']} sequences)", "code_version": f"dspine {__version__}",
+            "budget": {"steps": step, "label tokens seen": last.get("labels_seen", 0),
+                       "device-minutes": round(last.get("device_seconds", 0.0) / 60, 1), "devices": f"{world} x {name}"}}
+
+
 WHAT_IT_DID = {"resume": "resumed", "new-data": "resumed on new data (same optimizer and schedule)",
                "warm-start": "warm-started"}
 
@@ -381,7 +394,8 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
         if dist.main:
             model.eval()
             save_checkpoint(model, export, dtype=torch.bfloat16, max_shard_bytes=cfg.export_shard_bytes,
-                            target=identity, extra_config={"dspine_training": {
+                            target=identity, card=training_card(log, key, step, device, dist.world),
+                            extra_config={"dspine_training": {
                                 "data": str(cfg.data), "steps": cfg.steps, "step": step, "batch_size": cfg.batch_size,
                                 "grad_accum_steps": cfg.grad_accum_steps, "world_size": dist.world,
                                 "blocks_per_seq": cfg.blocks_per_seq, "seed": cfg.seed}})
@@ -419,9 +433,13 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
             summed = dist.all_sum(torch.stack([terms[k].float() for k in names])).tolist()
             tokens, flops = dist.all_sum(torch.tensor(seen, dtype=torch.float64, device=device)).tolist()
             seconds = time.perf_counter() - t_last
+            before = log[-1] if log else {}
             entry = {"step": step, "lr": _lr(step - 1, cfg), "grad_norm": float(grad_norm),
                      "label_tokens_per_s": tokens / seconds, "mfu": mfu(flops, seconds, device, dist.world),
-                     "step_seconds": seconds / steps_seen, **dict(zip(names, summed))}
+                     "step_seconds": seconds / steps_seen,
+                     "labels_seen": before.get("labels_seen", 0) + int(tokens),          # this run's, all processes
+                     "device_seconds": before.get("device_seconds", 0.0) + seconds * dist.world,
+                     **dict(zip(names, summed))}
             if dist.main and (step % cfg.eval_every == 0 or step == cfg.steps):
                 entry["heldout_tau"] = heldout_tau(model, target, heldout, cfg, device)
             log.append(entry)
