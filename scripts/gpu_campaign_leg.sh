@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:?OUT directory}; PIECES=${2:?folder of records.tar.xz pieces}; SECONDS_TRAIN=${3:?training seconds}
 RESUME=${4:-}
 # The campaign's settings: a leg resumes only with the same ones (they are part of the run key).
-CAMPAIGN_STEPS=20000
+CAMPAIGN_STEPS=3000   # ~5 legs; lengthen it between legs if they go faster (the schedule follows)
 CAMPAIGN_SET='max_len=4096 blocks_per_seq=128 cudnn_attention=true layer_loss_fraction=0.25 length_group_batches=16'
 # shellcheck source=/dev/null
 source scripts/gpu_host_sglang.sh
