@@ -14,7 +14,8 @@
 #   RESUME          folder with the previous leg's back/ files (state_*.pt, run_key_*.json); none on the
 #                   first leg. DSPINE_NEW_DATA=1 when the data grew since that leg.
 #
-# bench-accept reads the evaluation prompts' export .gpu-dspine/prompts (carry it).
+# bench-accept reads the evaluation prompts' export .gpu-dspine/prompts (carry it); DSPINE_ACCEPT=0
+# skips it.
 #
 # OUT/back: state_{dspine,ablation}.pt (travel states), run_key_{dspine,ablation}.json,
 # train_log_{dspine,ablation}.json, acceptance_smollm2.json, acc/ and ckpt_dspine; it comes back with
@@ -40,5 +41,7 @@ DSPINE_DATA="$OUT/campaign.jsonl" DSPINE_TARGET="$SMOLLM2" DSPINE_TRAIN_SECONDS=
 
 mkdir -p "$OUT/back"
 cp "$OUT"/pair/state_*.pt "$OUT"/pair/run_key_*.json "$OUT"/pair/train_log_*.json "$OUT/back/"
-cp -r "$OUT/pair/acceptance_smollm2.json" "$OUT/pair/acc" "$OUT/pair/ckpt_dspine" "$OUT/back/"
+cp -r "$OUT/pair/ckpt_dspine" "$OUT/back/"
+# DSPINE_ACCEPT=0 (a leg whose minutes all go to training: its curve is the train logs' held-out tau)
+[ "${DSPINE_ACCEPT:-1}" = 0 ] || cp -r "$OUT/pair/acceptance_smollm2.json" "$OUT/pair/acc" "$OUT/back/"
 echo "[gpu_campaign_leg] done; collect with: dspine_collect $OUT/back"

@@ -137,6 +137,30 @@ def test_training_reduces_loss_resumes_and_exports(tmp_path, tiny_target_dir):
     assert recorded["fingerprint"] == target_identity(AutoConfig.from_pretrained(tiny_target_dir))["fingerprint"]
 
 
+def test_a_time_limited_stop_ends_the_log_with_a_heldout_point(tmp_path, tiny_target_dir, monkeypatch):
+    """A leg stopped by its time limit between log steps still logs its last steps and the held-out tau
+    there: each campaign leg adds a point to the learning curve."""
+    import types
+
+    from dspine.train import trainer
+
+    clock = [0.0]                            # one second per optimizer step, nothing else takes time
+    step_once = trainer.train_step
+
+    def timed_step(*args, **kwargs):
+        clock[0] += 1.0
+        return step_once(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", timed_step)
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    cfg = _config(tmp_path, tiny_target_dir, steps=30)
+    assert train(cfg, device="cpu", time_limit_s=7.5, progress=False) is None
+    log = json.loads((tmp_path / "run" / "log.json").read_text())
+    assert [e["step"] for e in log] == [5, 8]                     # the log step, then the stop's own entry
+    assert "heldout_tau" not in log[0] and log[1]["heldout_tau"] >= 1.0
+    assert log[1]["labels_seen"] > log[0]["labels_seen"] and log[1]["step_seconds"] == 1.0
+
+
 def test_profile_reports_the_step_and_touches_no_run_dir(tmp_path, tiny_target_dir):
     from dspine.train.profile import profile_training
 

@@ -411,8 +411,35 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
                                  generator=sampler.generator(start))
                 for start in range(first, first + cfg.grad_accum_steps * cfg.batch_size, cfg.batch_size)]
 
+    def log_entry(terms: dict, grad_norm, evaluate: bool) -> None:
+        """Appends the steps since the last entry (throughput, losses of the last step) to `log`, with
+        the held-out tau when `evaluate`."""
+        nonlocal seen, steps_seen, t_last
+        names = sorted(terms)
+        summed = dist.all_sum(torch.stack([terms[k].float() for k in names])).tolist()
+        tokens, flops = dist.all_sum(torch.tensor(seen, dtype=torch.float64, device=device)).tolist()
+        seconds = time.perf_counter() - t_last
+        before = log[-1] if log else {}
+        entry = {"step": step, "lr": _lr(step - 1, cfg), "grad_norm": float(grad_norm),
+                 "label_tokens_per_s": tokens / seconds, "mfu": mfu(flops, seconds, device, dist.world),
+                 "step_seconds": seconds / steps_seen,
+                 "labels_seen": before.get("labels_seen", 0) + int(tokens),          # this run's, all processes
+                 "device_seconds": before.get("device_seconds", 0.0) + seconds * dist.world,
+                 **dict(zip(names, summed))}
+        if dist.main and evaluate:
+            entry["heldout_tau"] = heldout_tau(model, target, heldout, cfg, device)
+        log.append(entry)
+        bar.set_postfix(loss=f"{entry['total']:.3f}", acc1=f"{entry['acc1']:.2f}",
+                        tau=f"{entry.get('heldout_tau', float('nan')):.2f}")
+        seen, steps_seen, t_last = [0.0, 0.0], 0, time.perf_counter()
+
     while step < cfg.steps:
         if time_limit_s is not None and dist.any(time.perf_counter() - started > time_limit_s, device):
+            # the stop's point of the learning curve
+            if steps_seen:
+                log_entry(terms, grad_norm, evaluate=True)
+            elif dist.main and log and "heldout_tau" not in log[-1]:
+                log[-1]["heldout_tau"] = heldout_tau(model, target, heldout, cfg, device)
             save_state()
             bar.close()
             if dist.main:
@@ -429,23 +456,7 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
         step, steps_seen = step + 1, steps_seen + 1
         bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.steps:
-            names = sorted(terms)
-            summed = dist.all_sum(torch.stack([terms[k].float() for k in names])).tolist()
-            tokens, flops = dist.all_sum(torch.tensor(seen, dtype=torch.float64, device=device)).tolist()
-            seconds = time.perf_counter() - t_last
-            before = log[-1] if log else {}
-            entry = {"step": step, "lr": _lr(step - 1, cfg), "grad_norm": float(grad_norm),
-                     "label_tokens_per_s": tokens / seconds, "mfu": mfu(flops, seconds, device, dist.world),
-                     "step_seconds": seconds / steps_seen,
-                     "labels_seen": before.get("labels_seen", 0) + int(tokens),          # this run's, all processes
-                     "device_seconds": before.get("device_seconds", 0.0) + seconds * dist.world,
-                     **dict(zip(names, summed))}
-            if dist.main and (step % cfg.eval_every == 0 or step == cfg.steps):
-                entry["heldout_tau"] = heldout_tau(model, target, heldout, cfg, device)
-            log.append(entry)
-            bar.set_postfix(loss=f"{entry['total']:.3f}", acc1=f"{entry['acc1']:.2f}",
-                            tau=f"{entry.get('heldout_tau', float('nan')):.2f}")
-            seen, steps_seen, t_last = [0.0, 0.0], 0, time.perf_counter()
+            log_entry(terms, grad_norm, evaluate=step % cfg.eval_every == 0 or step == cfg.steps)
         if step % cfg.save_every == 0:
             save_state()
     bar.close()
