@@ -13,6 +13,9 @@
 #                  weights are needed on the host)
 #   PROMPTS_DIR    exported evaluation prompts (dspine.data.prompt_sources.export_prompts)
 #
+# DSPINE_REAL_PRESETS="P27 P8" (default) picks the presets: P8 alone fits an 80-GB H100 (about 16 minutes);
+# the 27B preset needs an H200.
+#
 # 1. Serving folders of both shapes (scripts/make_real_shape_dirs.py) and a small random hybrid
 #    Qwen3-Next target with a random DSpine drafter (dspine.bench.hybrid_pair).
 # 2. `dspine serve --preset qwen3-8b` (0.2 of the free memory: ~28 GB static), then `--preset
@@ -89,29 +92,40 @@ rounds() {  # NAME CONFIG SHAPE: greedy then T=1, three levels each (step-profil
 }
 
 log "start"
-# Both presets share the card (the 27B target alone is 50 GB of weights): an 80-GB H100 cannot hold them.
+# Which presets (DSPINE_REAL_PRESETS, default both: "P27 P8"). Both share the card, and the 27B target
+# alone is 54 GB of weights: it needs an H200 (~139 GiB); the 8B preset alone fits an 80-GB H100.
+PRESETS=" ${DSPINE_REAL_PRESETS:-P27 P8} "
+want() { [[ $PRESETS == *" $1 "* ]]; }
 total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
-if [ "${total_mib:-0}" -lt 120000 ]; then
-  log "this GPU has ${total_mib} MiB; both presets at once need an H200 (~139 GiB): ask the device for one (needs_h200)"
+if want P27 && [ "${total_mib:-0}" -lt 120000 ]; then
+  log "this GPU has ${total_mib} MiB; the 27B preset needs an H200 (~139 GiB): ask the device for one (needs_h200), or run DSPINE_REAL_PRESETS=P8"
   exit 2
 fi
+# The 8B servers' static memory: a fifth of an H200 beside the 27B preset, two fifths of an H100 alone
+FRACTION_8B=0.2; [ "${total_mib:-0}" -lt 120000 ] && FRACTION_8B=0.4
 python3 scripts/make_real_shape_dirs.py "$TOKENIZER" "$SHAPES" >> "$OUT/progress.txt" 2>&1 || exit 1
 python3 -m dspine.bench.hybrid_pair "$TOKENIZER" "$HYBRID" >> "$OUT/progress.txt" 2>&1 || exit 1
 
-launch P8 30040 DSPINE_STEP_PROFILE="$PROF/P8" "${PROFILE[@]}" -- python3 -m dspine.cli serve --preset qwen3-8b \
-  --model-path "$SHAPES/qwen3-8b/target" "${DUMMY[@]}" --speculative-draft-model-path "$SHAPES/qwen3-8b/dspine" \
-  --speculative-draft-load-format dummy --speculative-draft-attention-backend triton --mem-fraction-static 0.2
-wait_log P8 "KV Cache is allocated" 300 || exit 1
-launch P27 30041 DSPINE_STEP_PROFILE="$PROF/P27" "${PROFILE[@]}" -- python3 -m dspine.cli serve --preset qwen3.8-27b \
-  --model-path "$SHAPES/qwen3.8-27b/target" "${DUMMY[@]}" --speculative-draft-model-path "$SHAPES/qwen3.8-27b/dspine" \
-  --speculative-draft-load-format dummy --speculative-draft-attention-backend triton --max-mamba-cache-size 96
-wait_ready P8 900; wait_ready P27 900 || exit 1
-grep -h "ReplaySSM verify scratch" "$LOGS/P27.log" >> "$OUT/progress.txt"
-rounds P27 DSPINE qwen3.8-27b
-rounds P8 DSPINE qwen3-8b
+if want P8; then
+  launch P8 30040 DSPINE_STEP_PROFILE="$PROF/P8" "${PROFILE[@]}" -- python3 -m dspine.cli serve --preset qwen3-8b \
+    --model-path "$SHAPES/qwen3-8b/target" "${DUMMY[@]}" --speculative-draft-model-path "$SHAPES/qwen3-8b/dspine" \
+    --speculative-draft-load-format dummy --speculative-draft-attention-backend triton --mem-fraction-static "$FRACTION_8B"
+  wait_log P8 "KV Cache is allocated" 300 || exit 1
+fi
+if want P27; then
+  launch P27 30041 DSPINE_STEP_PROFILE="$PROF/P27" "${PROFILE[@]}" -- python3 -m dspine.cli serve --preset qwen3.8-27b \
+    --model-path "$SHAPES/qwen3.8-27b/target" "${DUMMY[@]}" --speculative-draft-model-path "$SHAPES/qwen3.8-27b/dspine" \
+    --speculative-draft-load-format dummy --speculative-draft-attention-backend triton --max-mamba-cache-size 96
+  wait_ready P27 900 || exit 1
+  grep -h "ReplaySSM verify scratch" "$LOGS/P27.log" >> "$OUT/progress.txt"
+fi
+if want P8; then wait_ready P8 900 || exit 1; fi
+want P27 && rounds P27 DSPINE qwen3.8-27b
+want P8 && rounds P8 DSPINE qwen3-8b
 
 soaks=()
 for name in P27 P8; do
+  want $name || continue
   python3 scripts/soak.py --url "$(url $name)" --minutes 10 --clients 32 --out "$OUT" --config "$name" \
     --prompts "$PROMPTS/eval-sharegpt-heldout.jsonl" --server-pid "$(cat "$PROF/$name.pid")" > "$LOGS/soak_$name.txt" 2>&1 &
   soaks+=("$!")
@@ -124,17 +138,22 @@ timeout 540 python3 scripts/bench_dynamic.py --configs AR,DSPINE-plain,DSPINE-dy
   --out-dir "$OUT/hybrid_switch" > "$LOGS/hybrid_switch.txt" 2>&1
 log "hybrid switch: exit $? ($(tail -n 4 "$LOGS/hybrid_switch.txt" | tr '\n' ' '))"
 wait "${soaks[@]}"
-log "soaks: $(tail -n 2 "$LOGS/soak_P27.txt" | tr '\n' ' ') | $(tail -n 2 "$LOGS/soak_P8.txt" | tr '\n' ' ')"
-stop P27; stop P8
+for name in P27 P8; do
+  want $name && { log "soak $name: $(tail -n 2 "$LOGS/soak_$name.txt" | tr '\n' ' ')"; stop $name; }
+done
 
-launch AR8 30060 DSPINE_STEP_PROFILE="$PROF/AR8" "${PROFILE[@]}" -- python3 -m sglang.launch_server \
-  --model-path "$SHAPES/qwen3-8b/target" "${DUMMY[@]}" --dtype bfloat16 --mem-fraction-static 0.2 --max-running-requests 48
-wait_log AR8 "KV Cache is allocated" 300 || exit 1
-launch AR27 30061 DSPINE_STEP_PROFILE="$PROF/AR27" "${PROFILE[@]}" -- python3 -m sglang.launch_server \
-  --model-path "$SHAPES/qwen3.8-27b/target" "${DUMMY[@]}" --dtype bfloat16 --linear-attn-backend triton \
-  --mamba-ssm-dtype float32 --max-running-requests 32 --mem-fraction-static 0.75 --max-mamba-cache-size 96
-wait_ready AR8 900; wait_ready AR27 900 || exit 1
-rounds AR27 AR qwen3.8-27b
-rounds AR8 AR qwen3-8b
-stop AR27; stop AR8
+if want P8; then
+  launch AR8 30060 DSPINE_STEP_PROFILE="$PROF/AR8" "${PROFILE[@]}" -- python3 -m sglang.launch_server \
+    --model-path "$SHAPES/qwen3-8b/target" "${DUMMY[@]}" --dtype bfloat16 --mem-fraction-static "$FRACTION_8B" --max-running-requests 48
+  wait_log AR8 "KV Cache is allocated" 300 || exit 1
+fi
+if want P27; then
+  launch AR27 30061 DSPINE_STEP_PROFILE="$PROF/AR27" "${PROFILE[@]}" -- python3 -m sglang.launch_server \
+    --model-path "$SHAPES/qwen3.8-27b/target" "${DUMMY[@]}" --dtype bfloat16 --linear-attn-backend triton \
+    --mamba-ssm-dtype float32 --max-running-requests 32 --mem-fraction-static 0.75 --max-mamba-cache-size 96
+  wait_ready AR27 900 || exit 1
+  rounds AR27 AR qwen3.8-27b
+  stop AR27
+fi
+if want P8; then wait_ready AR8 900 && rounds AR8 AR qwen3-8b; stop AR8; fi
 log "done"

@@ -109,6 +109,22 @@ def test_without_the_hybrid_presets_scratch_line_there_is_no_report():
         rep.report(rounds(), {"qwen3-8b": (soak(), LOG_8B)}, True, "x")
 
 
+def test_a_run_without_the_hybrid_preset_says_why_in_place_of_the_scratch(tmp_path):
+    eight_b = {"runs": [r for r in rounds()["runs"] if r["shape"] == "qwen3-8b"]}
+    out = rep.report({**rounds(), **eight_b}, {"qwen3-8b": (soak(), LOG_8B)}, True, "x",
+                     no_hybrid_preset="the 27B preset needs an H200")
+    assert out["replayssm_scratch"] == "not measured: the 27B preset needs an H200"
+    assert [p["preset"] for p in out["presets"]] == ["qwen3-8b"] and len(out["presets"][0]["rounds"]) == 6
+    (tmp_path / "rounds.json").write_text(json.dumps({**rounds(), **eight_b}))
+    (tmp_path / "soak.json").write_text(json.dumps(soak()))
+    (tmp_path / "P8.log").write_text(LOG_8B)
+    argv = ["--rounds", str(tmp_path / "rounds.json"), "--out-dir", str(tmp_path), "--results-name", "real_shapes_h100",
+            "--preset", f"qwen3-8b={tmp_path / 'soak.json'},{tmp_path / 'P8.log'}", "--dynamic-switch-hybrid", "r"]
+    assert rep.main(argv) == 1                                       # the reason is not optional
+    assert rep.main(argv + ["--no-hybrid-preset", "8B alone"]) == 0
+    assert json.loads((tmp_path / "real_shapes_h100.json").read_text())["replayssm_scratch"] == "not measured: 8B alone"
+
+
 def test_the_command_line_writes_the_file_and_a_plot(tmp_path, capsys):
     (tmp_path / "rounds.json").write_text(json.dumps(rounds()))
     for name, log, data in (("P27", LOG_27B, soak()), ("P8", LOG_8B, soak())):

@@ -134,9 +134,10 @@ def switch_run(dynamic: dict) -> dict:
 
 
 def report(rounds: dict, presets: dict[str, tuple[dict, str]], dynamic_switch_hybrid, command: str,
-           hybrid_switch: dict | None = None) -> dict:
+           hybrid_switch: dict | None = None, no_hybrid_preset: str | None = None) -> dict:
     """The results object (see the module docstring); `presets`: name -> (soak results, server log);
-    `hybrid_switch`: the `bench_dynamic` file the verdict came from, summarised beside it."""
+    `hybrid_switch`: the `bench_dynamic` file the verdict came from, summarised beside it;
+    `no_hybrid_preset`: why the run served no hybrid preset (then `replayssm_scratch` is that reason)."""
     entries, scratch = [], None
     for name, (soak, log) in presets.items():
         entries.append({"preset": name, "served_minutes": float(soak["minutes"]), "requests": int(soak["requests"]),
@@ -147,19 +148,23 @@ def report(rounds: dict, presets: dict[str, tuple[dict, str]], dynamic_switch_hy
         found = scratch_bytes(log)
         if found is not None:
             scratch = {"preset": name, **found}
-    if scratch is None:
+    if scratch is None and no_hybrid_preset:
+        scratch = f"not measured: {no_hybrid_preset}"
+    elif scratch is None:
         raise BenchError("no server log holds the DSPINE worker's ReplaySSM scratch line. Fix: pass the hybrid "
-                         "preset's log (a DSPINE server started with --enable-linear-replayssm-spec)")
+                         "preset's log (a DSPINE server started with --enable-linear-replayssm-spec), or say why the run had none "
+                         "with --no-hybrid-preset REASON")
     results = {"device": rounds["device"], "date": rounds["date"], "command": command, "sglang": rounds["sglang"],
                "rounds_command": rounds["command"], "presets": entries, "replayssm_scratch": scratch,
                "dynamic_switch_hybrid": dynamic_switch_hybrid}
     if hybrid_switch is not None:
         results["hybrid_switch_run"] = switch_run(hybrid_switch)
-    check_schema(results, RESULTS_SCHEMA)
+    check_schema(results, RESULTS_SCHEMA if isinstance(scratch, dict) else
+                 {k: v for k, v in RESULTS_SCHEMA.items() if k != "replayssm_scratch"})
     return results
 
 
-def plot(results: dict, out_dir: Path) -> Path | None:
+def plot(results: dict, out_dir: Path, name: str = RESULTS_NAME) -> Path | None:
     """One panel per preset: DSPINE's ms per round and AR's ms per step against concurrency, greedy
     and T=1."""
     plt = pyplot("install matplotlib to draw it")
@@ -182,7 +187,7 @@ def plot(results: dict, out_dir: Path) -> Path | None:
         ax.set_title(f"{preset['preset']}: {preset['requests']} soak requests, {preset['errors']} errors", fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle(f"Published presets at their shapes, dummy weights ({results['device']}, SGLang {results['sglang']})")
-    return save_figure(fig, out_dir / f"{RESULTS_NAME}.png", dpi=110)
+    return save_figure(fig, out_dir / f"{name}.png", dpi=110)
 
 
 def parse_args(argv):
@@ -196,7 +201,12 @@ def parse_args(argv):
                         help="scripts/bench_dynamic.py's results on a hybrid target (AR, DSPINE-plain, DSPINE-dynamic)")
     switch.add_argument("--dynamic-switch-hybrid", metavar="REASON",
                         help="why no switch server could run with the hybrid target (the measured reason)")
+    p.add_argument("--no-hybrid-preset", metavar="REASON",
+                   help="the run served no hybrid preset (e.g. the 8B preset alone on an 80-GB card): "
+                        "replayssm_scratch records REASON instead of the worker's line")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    p.add_argument("--results-name", default=RESULTS_NAME,
+                   help=f"results file stem (default {RESULTS_NAME}; e.g. real_shapes_h100 for a run on an H100)")
     args = p.parse_args(argv)
     args.presets = {}
     for item in args.preset:
@@ -215,11 +225,12 @@ def main(argv: list[str] | None = None) -> int:
                    for name, (soak, log) in args.presets.items()}
         dynamic = json.loads(args.hybrid_switch.read_text()) if args.hybrid_switch else None
         switch = switch_verdict(dynamic) if dynamic is not None else args.dynamic_switch_hybrid
-        results = report(json.loads(args.rounds.read_text()), presets, switch, command_line(argv), dynamic)
+        results = report(json.loads(args.rounds.read_text()), presets, switch, command_line(argv), dynamic,
+                         args.no_hybrid_preset)
     except (OSError, ValueError, KeyError, BenchError) as exc:
         print(f"real shapes: {exc}", file=sys.stderr)
         return 1
-    path = write_results(results, args.out_dir, RESULTS_NAME)
+    path = write_results(results, args.out_dir, args.results_name)
     for preset in results["presets"]:
         print(f"{preset['preset']}: {preset['served_minutes']:.1f} min, {preset['requests']} requests, "
               f"{preset['errors']} errors, memory {preset['memory_gb']}")
@@ -227,8 +238,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  c={r['concurrency']:<3} T={r['temperature']:g}  round {r['ms_per_round']:.2f} ms  "
                   f"AR step {r['ms_per_step']:.2f} ms  ({r['round_over_step']:.2f}x)")
     s = results["replayssm_scratch"]
-    print(f"ReplaySSM scratch per request ({s['preset']}): {s['replayssm_bytes']} against {s['snapshot_bytes']} "
-          f"bytes ({s['ratio']}x smaller); dynamic switch with the hybrid target: {results['dynamic_switch_hybrid']}")
-    plot(results, args.out_dir)
+    if isinstance(s, dict):
+        print(f"ReplaySSM scratch per request ({s['preset']}): {s['replayssm_bytes']} against {s['snapshot_bytes']} "
+              f"bytes ({s['ratio']}x smaller)")
+    else:
+        print(f"ReplaySSM scratch: {s}")
+    print(f"dynamic switch with the hybrid target: {results['dynamic_switch_hybrid']}")
+    plot(results, args.out_dir, args.results_name)
     print(f"wrote {path}")
     return 0
