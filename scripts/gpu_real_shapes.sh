@@ -14,7 +14,9 @@
 #   PROMPTS_DIR    exported evaluation prompts (dspine.data.prompt_sources.export_prompts)
 #
 # DSPINE_REAL_PRESETS="P27 P8" (default) picks the presets: P8 alone fits an 80-GB H100 (about 16 minutes);
-# the 27B preset needs an H200.
+# the 27B preset needs an H200; "none" runs only the speculation switch on the small hybrid.
+# DSPINE_REAL_ROUNDS=0 goes straight to the soaks and skips the AR servers; DSPINE_REAL_SWITCH_SECONDS
+# bounds the switch benchmark (default 540).
 #
 # 1. Serving folders of both shapes (scripts/make_real_shape_dirs.py) and a small random hybrid
 #    Qwen3-Next target with a random DSpine drafter (dspine.bench.hybrid_pair).
@@ -120,8 +122,10 @@ if want P27; then
   grep -h "ReplaySSM verify scratch" "$LOGS/P27.log" >> "$OUT/progress.txt"
 fi
 if want P8; then wait_ready P8 900 || exit 1; fi
-want P27 && rounds P27 DSPINE qwen3.8-27b
-want P8 && rounds P8 DSPINE qwen3-8b
+if [ "${DSPINE_REAL_ROUNDS:-1}" != 0 ]; then   # DSPINE_REAL_ROUNDS=0: straight to the soaks (and no AR servers)
+  want P27 && rounds P27 DSPINE qwen3.8-27b
+  want P8 && rounds P8 DSPINE qwen3-8b
+fi
 
 soaks=()
 for name in P27 P8; do
@@ -130,7 +134,7 @@ for name in P27 P8; do
     --prompts "$PROMPTS/eval-sharegpt-heldout.jsonl" --server-pid "$(cat "$PROF/$name.pid")" > "$LOGS/soak_$name.txt" 2>&1 &
   soaks+=("$!")
 done
-timeout 540 python3 scripts/bench_dynamic.py --configs AR,DSPINE-plain,DSPINE-dynamic --alternating-switch \
+timeout "${DSPINE_REAL_SWITCH_SECONDS:-540}" python3 scripts/bench_dynamic.py --configs AR,DSPINE-plain,DSPINE-dynamic --alternating-switch \
   --plain-tokens 4 --model-path "$HYBRID/target" --draft "$HYBRID/drafter" --port 30050 \
   --extra-flags "--mem-fraction-static 0.3 --mamba-ssm-dtype float32 --disable-radix-cache --cuda-graph-max-bs-decode 16" \
   --spec-flags "--enable-linear-replayssm-spec --linear-replayssm-cache-len 32" \
@@ -142,6 +146,7 @@ for name in P27 P8; do
   want $name && { log "soak $name: $(tail -n 2 "$LOGS/soak_$name.txt" | tr '\n' ' ')"; stop $name; }
 done
 
+[ "${DSPINE_REAL_ROUNDS:-1}" = 0 ] && { log "done (no rounds)"; exit 0; }
 if want P8; then
   launch AR8 30060 DSPINE_STEP_PROFILE="$PROF/AR8" "${PROFILE[@]}" -- python3 -m sglang.launch_server \
     --model-path "$SHAPES/qwen3-8b/target" "${DUMMY[@]}" --dtype bfloat16 --mem-fraction-static "$FRACTION_8B" --max-running-requests 48
