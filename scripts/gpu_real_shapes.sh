@@ -13,7 +13,7 @@
 #                  weights are needed on the host)
 #   PROMPTS_DIR    exported evaluation prompts (dspine.data.prompt_sources.export_prompts)
 #
-# DSPINE_REAL_PRESETS="P27 P8" (default) picks the presets: P8 alone fits an 80-GB H100 (about 16 minutes);
+# DSPINE_REAL_PRESETS="P27 P8" (default) picks the presets: P8 alone fits an 80-GB H100;
 # the 27B preset needs an H200; "none" runs only the speculation switch on the small hybrid.
 # DSPINE_REAL_ROUNDS=0 goes straight to the soaks and skips the AR servers; DSPINE_REAL_SWITCH_SECONDS
 # bounds the switch benchmark (default 540).
@@ -95,7 +95,7 @@ rounds() {  # NAME CONFIG SHAPE: greedy then T=1, three levels each (step-profil
 
 log "start"
 # Which presets (DSPINE_REAL_PRESETS, default both: "P27 P8"). Both share the card, and the 27B target
-# alone is 54 GB of weights: it needs an H200 (~139 GiB); the 8B preset alone fits an 80-GB H100.
+# alone is 50 GB of weights: it needs an H200 (~139 GiB); the 8B preset alone fits an 80-GB H100.
 PRESETS=" ${DSPINE_REAL_PRESETS:-P27 P8} "
 want() { [[ $PRESETS == *" $1 "* ]]; }
 total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
