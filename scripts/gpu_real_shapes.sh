@@ -16,7 +16,7 @@
 # DSPINE_REAL_PRESETS="P27 P8" (default) picks the presets: P8 alone fits an 80-GB H100;
 # the 27B preset needs an H200; "none" runs only the speculation switch on the small hybrid.
 # DSPINE_REAL_ROUNDS=0 goes straight to the soaks and skips the AR servers; DSPINE_REAL_SWITCH_SECONDS
-# bounds the switch benchmark (default 540).
+# bounds the switch benchmark (default 540; 0 skips it).
 #
 # 1. Serving folders of both shapes (scripts/make_real_shape_dirs.py) and a small random hybrid
 #    Qwen3-Next target with a random DSpine drafter (dspine.bench.hybrid_pair).
@@ -25,7 +25,8 @@
 #    The 27B server gets --max-mamba-cache-size 96 (3 mamba slots a request x 32 running): at its
 #    default pool size SGLang would run fewer requests than the preset's --max-running-requests,
 #    which the worker refuses.
-# 3. DSPINE rounds (scripts/bench_round_cost.py) at c=1/8/32, greedy then T=1, one server at a time.
+# 3. DSPINE rounds (scripts/bench_round_cost.py) at c=1/8/32, greedy and T=1 in one run per server
+#    (a second run would read phases the first one's throughput levels filled), one server at a time.
 # 4. 10-minute soaks of both presets at once (scripts/soak.py, 32 clients); meanwhile the speculation
 #    switch on the small hybrid (scripts/bench_dynamic.py: AR, DSPINE-plain, DSPINE-dynamic with
 #    --alternating-switch, one server at a time, --disable-radix-cache).
@@ -81,16 +82,12 @@ stop() {  # NAME: the server's whole process group
   kill -KILL -- "-$pid" 2>/dev/null
   log "$1 stopped"
 }
-rounds() {  # NAME CONFIG SHAPE: greedy then T=1, three levels each (step-profile phases 1-3, 4-6)
-  local t from
-  for t in 0 1; do
-    from=$(( t == 0 ? 1 : 4 ))
-    timeout 400 python3 scripts/bench_round_cost.py --url "$2=$(url "$1")" --profile-dir "$2=$PROF/$1" \
-      --shape "$3" --concurrency 1,8,32 --prompts 32 --max-tokens 32 --temperature "$t" --profile-from-phase "$from" \
-      --profile-timeout 90 --prompts-dir "$PROMPTS" --out-dir "$OUT" --results-name real_shapes_rounds \
-      > "$LOGS/rounds_$1_T$t.txt" 2>&1
-    log "rounds $1 T=$t: exit $?"
-  done
+rounds() {  # NAME CONFIG SHAPE: greedy and T=1 in one run (step-profile phases 1-3, then 4-6)
+  timeout 800 python3 scripts/bench_round_cost.py --url "$2=$(url "$1")" --profile-dir "$2=$PROF/$1" \
+    --shape "$3" --concurrency 1,8,32 --prompts 32 --max-tokens 32 --temperature 0,1 \
+    --profile-timeout 90 --prompts-dir "$PROMPTS" --out-dir "$OUT" --results-name real_shapes_rounds \
+    > "$LOGS/rounds_$1.txt" 2>&1
+  log "rounds $1: exit $?"
 }
 
 log "start"
@@ -106,7 +103,9 @@ fi
 # The 8B servers' static memory: a fifth of an H200 beside the 27B preset, two fifths of an H100 alone
 FRACTION_8B=0.2; [ "${total_mib:-0}" -lt 120000 ] && FRACTION_8B=0.4
 python3 scripts/make_real_shape_dirs.py "$TOKENIZER" "$SHAPES" >> "$OUT/progress.txt" 2>&1 || exit 1
-python3 -m dspine.bench.hybrid_pair "$TOKENIZER" "$HYBRID" >> "$OUT/progress.txt" 2>&1 || exit 1
+if [ "${DSPINE_REAL_SWITCH_SECONDS:-540}" != 0 ]; then
+  python3 -m dspine.bench.hybrid_pair "$TOKENIZER" "$HYBRID" >> "$OUT/progress.txt" 2>&1 || exit 1
+fi
 
 if want P8; then
   launch P8 30040 DSPINE_STEP_PROFILE="$PROF/P8" "${PROFILE[@]}" -- python3 -m dspine.cli serve --preset qwen3-8b \
@@ -134,13 +133,16 @@ for name in P27 P8; do
     --prompts "$PROMPTS/eval-sharegpt-heldout.jsonl" --server-pid "$(cat "$PROF/$name.pid")" > "$LOGS/soak_$name.txt" 2>&1 &
   soaks+=("$!")
 done
-timeout "${DSPINE_REAL_SWITCH_SECONDS:-540}" python3 scripts/bench_dynamic.py --configs AR,DSPINE-plain,DSPINE-dynamic --alternating-switch \
+SWITCH_SECONDS=${DSPINE_REAL_SWITCH_SECONDS:-540}
+if [ "$SWITCH_SECONDS" = 0 ]; then log "hybrid switch: skipped (DSPINE_REAL_SWITCH_SECONDS=0)"; else
+timeout "$SWITCH_SECONDS" python3 scripts/bench_dynamic.py --configs AR,DSPINE-plain,DSPINE-dynamic --alternating-switch \
   --plain-tokens 4 --model-path "$HYBRID/target" --draft "$HYBRID/drafter" --port 30050 \
   --extra-flags "--mem-fraction-static 0.3 --mamba-ssm-dtype float32 --disable-radix-cache --cuda-graph-max-bs-decode 16" \
   --spec-flags "--enable-linear-replayssm-spec --linear-replayssm-cache-len 32" \
   --requests "$PROMPTS/eval-sharegpt-heldout.jsonl" --concurrency 1,8 --repeats 1 --min-requests 16 --max-tokens 96 \
   --out-dir "$OUT/hybrid_switch" > "$LOGS/hybrid_switch.txt" 2>&1
 log "hybrid switch: exit $? ($(tail -n 4 "$LOGS/hybrid_switch.txt" | tr '\n' ' '))"
+fi
 wait "${soaks[@]}"
 for name in P27 P8; do
   want $name && { log "soak $name: $(tail -n 2 "$LOGS/soak_$name.txt" | tr '\n' ' ')"; stop $name; }

@@ -1,7 +1,8 @@
 """dspine/bench/round_cost.py against stub servers and pre-written step-profile records: the results
 schema, ms per step and host time read from the right phase, accept length from meta_info, the
 table's T_round / T_step, runs of other shapes kept on a rerun, a missing phase named, repeats
-interleaved across configs, and greedy parity judged on token ids."""
+interleaved across configs, both temperatures in one run, a phase other steps filled refused, and
+greedy parity judged on token ids."""
 
 from __future__ import annotations
 
@@ -134,20 +135,43 @@ def test_a_rerun_keeps_other_shapes_and_sections(servers, tmp_path, prompts_dir)
     assert len(results["runs"]) == 1 + 2 * len(VERIFY)
 
 
-def test_a_sampled_rerun_is_kept_beside_the_greedy_rows(servers, tmp_path, prompts_dir):
+def test_both_temperatures_in_one_run_read_their_phases_in_turn(servers, tmp_path, prompts_dir):
+    for name in VERIFY:                  # phases 1-2: greedy c=1/16; phases 3-4: T=1 c=1/16
+        write_phases(tmp_path / "prof" / name, 2.0, {"run_batch": 1.0})
+        write_phases(tmp_path / "prof" / name, 3.0, {"run_batch": 1.0}, first=3)
+    assert run(servers, tmp_path, prompts_dir, "--temperature", "0,1") == 0
+    assert all(server.temperatures == {0.0, 1.0} for server in servers.values())
+    results = json.loads((tmp_path / "out" / "round_cost_h200.json").read_text())
+    rows = {(r["config"], r["concurrency"], r["temperature"]): r for r in results["runs"]}
+    assert len(rows) == len(results["runs"]) == 2 * 2 * len(VERIFY)
+    assert rows[("DSPINE", 1, 0.0)]["ms_per_step"] == pytest.approx(2.0)
+    assert rows[("DSPINE", 1, 1.0)]["ms_per_step"] == pytest.approx(3.0)
+    assert rows[("DSPINE", 16, 1.0)]["ms_per_step"] == pytest.approx(6.0)
+    assert all("output_tok_per_s" in r for r in rows.values())
+    for server in servers.values():      # every profile request of both temperatures before any throughput
+        kinds = [k for k in server.kinds if k != "count"]
+        assert kinds.index("throughput") > max(i for i, k in enumerate(kinds) if k == "profile")
+
+
+def test_a_phase_filled_by_other_steps_is_refused(servers, tmp_path, prompts_dir, capsys):
+    """What a second run on an already-measured server reads: its phases hold the first run's
+    throughput steps (a c=1 level's batch of one where c=16 was asked)."""
     for name in VERIFY:
         write_phases(tmp_path / "prof" / name, 2.0, {"run_batch": 1.0})
-    assert run(servers, tmp_path, prompts_dir) == 0
-    assert all(server.temperatures == {0.0} for server in servers.values())
-    for name in VERIFY:                  # the servers' profilers go on with phases 3 and 4
-        write_phases(tmp_path / "prof" / name, 3.0, {"run_batch": 1.0}, first=3)
-        servers[name].temperatures.clear()
-    assert run(servers, tmp_path, prompts_dir, "--temperature", "1", "--profile-from-phase", "3") == 0
-    assert all(server.temperatures == {1.0} for server in servers.values())
+    (tmp_path / "prof" / "DSPINE" / "123-phase2.json").write_text(json.dumps(
+        {"mean_batch_size": 1.0, "ms_per_step": 2.0, "ms_per_step_in": {"run_batch": 1.0}}))
+    assert run(servers, tmp_path, prompts_dir) == 0                      # DSPINE is left out, named
+    err = capsys.readouterr().err
+    assert "DSPINE left out" in err and "phase 2 (c=16) measured a mean batch of 1.0" in err
+    assert "--temperature 0,1" in err
     results = json.loads((tmp_path / "out" / "round_cost_h200.json").read_text())
-    rows = {(r["config"], r["concurrency"], r["temperature"]): r["ms_per_step"] for r in results["runs"]}
-    assert len(rows) == len(results["runs"]) == 2 * 2 * len(VERIFY)
-    assert rows[("DSPINE", 1, 0.0)] == pytest.approx(2.0) and rows[("DSPINE", 1, 1.0)] == pytest.approx(3.0)
+    assert {r["config"] for r in results["runs"]} == {"AR", "NGRAM"}
+
+
+def test_temperatures_are_checked():
+    for text in ("-1", "0,0", "x"):
+        with pytest.raises(SystemExit):
+            bench.main(["--url", "AR=http://127.0.0.1:1", "--shape", "x", "--temperature", text])
 
 
 def test_a_phase_the_server_never_wrote_is_named(servers, tmp_path, prompts_dir, capsys):

@@ -73,6 +73,54 @@ def test_the_report_joins_rounds_soaks_memory_and_the_scratch_line():
     assert out["dynamic_switch_hybrid"] is True
 
 
+def test_a_run_whose_phases_held_other_steps_is_left_out_with_its_reason():
+    data = rounds()
+    for r in data["runs"]:       # the 27B DSPINE T=1 run read phases an earlier run's c=1 throughput filled
+        r["mean_batch_size"] = float(r["concurrency"])
+        if (r["shape"], r["config"], r["temperature"]) == ("qwen3.8-27b", "DSPINE", 1.0):
+            r["mean_batch_size"] = 1.0
+    out = rep.report(data, {"qwen3.8-27b": (soak(), LOG_27B), "qwen3-8b": (soak(), LOG_8B)}, True, "r ...")
+    big, small = out["presets"]
+    assert {(r["concurrency"], r["temperature"]) for r in big["rounds"]} == {(1, 0.0), (8, 0.0), (32, 0.0)}
+    assert len(small["rounds"]) == 6                              # the 8B runs are untouched
+    assert out["rounds_left_out"] == [{"shape": "qwen3.8-27b", "config": "DSPINE", "temperature": 1.0, "reason":
+                                       "c=8 measured a mean batch of 1; c=32 measured a mean batch of 1; "
+                                       "the run's step-profile phases held other decode steps"}]
+
+
+def test_a_later_run_of_the_other_preset_keeps_the_earlier_one(tmp_path):
+    """The 27B preset measured on an H200 in one session, the 8B one alone later: one file, both
+    presets, each with its own device, and the scratch from the run that served the hybrid."""
+    first = rounds()
+    first["runs"] = [r for r in first["runs"] if r["shape"] == "qwen3.8-27b"]
+    for r in first["runs"]:
+        r["mean_batch_size"] = 1.0 if r["temperature"] == 1.0 else float(r["concurrency"])   # T=1 left out
+    paths = {}
+    for name, body in (("rounds27.json", first), ("soak27.json", soak()), ("soak8.json", soak(requests=20000))):
+        paths[name] = tmp_path / name
+        paths[name].write_text(json.dumps(body))
+    (tmp_path / "P27.log").write_text(LOG_27B)
+    (tmp_path / "P8.log").write_text(LOG_8B)
+    out = tmp_path / "out"
+    common = ["--dynamic-switch-hybrid", "measured elsewhere", "--out-dir", str(out)]
+    assert rep.main(["--rounds", str(paths["rounds27.json"]), "--preset",
+                     f"qwen3.8-27b={paths['soak27.json']},{tmp_path / 'P27.log'}", *common]) == 0
+    second = rounds()
+    second["device"] = "NVIDIA H100 80GB HBM3"
+    second["runs"] = [r for r in second["runs"] if r["shape"] == "qwen3-8b"]
+    paths["rounds8.json"] = tmp_path / "rounds8.json"
+    paths["rounds8.json"].write_text(json.dumps(second))
+    assert rep.main(["--rounds", str(paths["rounds8.json"]), "--preset",
+                     f"qwen3-8b={paths['soak8.json']},{tmp_path / 'P8.log'}",
+                     "--no-hybrid-preset", "the 8B preset alone", *common]) == 0
+    results = json.loads((out / "real_shapes_h200.json").read_text())
+    assert [(p["preset"], p["device"], len(p["rounds"])) for p in results["presets"]] == [
+        ("qwen3.8-27b", "NVIDIA H200", 3), ("qwen3-8b", "NVIDIA H100 80GB HBM3", 6)]
+    assert results["replayssm_scratch"]["preset"] == "qwen3.8-27b"          # kept from the first run
+    assert [(r["config"], r["temperature"]) for r in results["rounds_left_out"]] == [("AR", 1.0), ("DSPINE", 1.0)]
+    rep.check_schema(results, rep.RESULTS_SCHEMA)
+
+
 def reply(ids, widths):
     """One bench_dynamic reply: token ids and the verify width of each decode step (16 draft, 1 plain)."""
     return {"tokens": len(ids), "verify_ct": len(widths), "verify_tokens": widths, "token_ids": ids}

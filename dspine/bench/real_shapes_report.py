@@ -11,12 +11,16 @@ shape. This report joins them:
 
 - `presets[i].rounds`: per (concurrency, temperature) DSPINE's ms per round (`ms_per_round`, its
   step profile: one scheduler step is one round) and AR's ms per step of the same target
-  (`ms_per_step`); a DSPINE row without its AR row is an error that names the missing run;
+  (`ms_per_step`); a DSPINE row without its AR row is an error that names the missing run; a run
+  (config, temperature) one of whose levels measured a mean batch far from its concurrency is left
+  out, both configs at that temperature, and listed under `rounds_left_out` with the reason;
 - `presets[i]`: the soak's minutes, requests, errors, tail and health, the memory SGLang logged at
   start-up (weights, KV, mamba state, ReplaySSM ring; GB) and how many preset flags the worker
   logged in effect;
 - `replayssm_scratch`: the DSPINE worker's start-up line of the hybrid preset (ReplaySSM's verify
   scratch per request as allocated, against per-token snapshots at the pool's shapes);
+- a preset the file already holds from an earlier run and this run did not serve is kept
+  (`keep_earlier`), so the two presets may be measured in different sessions;
 - `dynamic_switch_hybrid`: true when `--hybrid-switch` (`scripts/bench_dynamic.py` on a hybrid
   target: AR, DSPINE-plain and DSPINE-dynamic servers) shows the switch served it exactly
   (`switch_verdict`), else what that file shows went wrong; `--dynamic-switch-hybrid REASON` instead
@@ -32,6 +36,7 @@ import sys
 from pathlib import Path
 
 from dspine.bench.results import DEFAULT_OUT_DIR, BenchError, check_schema, command_line, write_results
+from dspine.bench.round_cost import check_phase_batch
 from dspine.utils.plot import pyplot, save_figure
 
 RESULTS_NAME = "real_shapes_h200"
@@ -78,8 +83,32 @@ def scratch_bytes(log: str) -> dict | None:
     return {"replayssm_bytes": replay, "snapshot_bytes": snapshot, "ratio": round(snapshot / replay, 2)}
 
 
-def preset_rounds(runs: list[dict], shape: str) -> list[dict]:
-    """DSPINE's rounds of `shape` with AR's step at the same concurrency and temperature."""
+def misaligned_runs(runs: list[dict], shape: str) -> dict[tuple[str, float], str]:
+    """(config, temperature) of `shape` whose step-profile phases other steps filled: one of that
+    run's levels has a mean batch far from its concurrency (`round_cost.check_phase_batch`). Its
+    phases are consecutive, so once one is off every row of the run is suspect -> the reason."""
+    bad: dict[tuple[str, float], str] = {}
+    for r in runs:
+        if r["shape"] != shape or "mean_batch_size" not in r:
+            continue
+        try:
+            check_phase_batch(r["config"], 0, r["concurrency"], float(r["mean_batch_size"]))
+        except BenchError:
+            key = (r["config"], float(r.get("temperature", 0.0)))
+            bad[key] = bad.get(key, "") + f"c={r['concurrency']} measured a mean batch of {r['mean_batch_size']:g}; "
+    return {key: reason + "the run's step-profile phases held other decode steps" for key, reason in bad.items()}
+
+
+def preset_rounds(runs: list[dict], shape: str, left_out: list[dict] | None = None) -> list[dict]:
+    """DSPINE's rounds of `shape` with AR's step at the same concurrency and temperature. Runs whose
+    phases other steps filled (`misaligned_runs`) are left out of both sides and, when `left_out` is
+    given, appended to it with the reason."""
+    misaligned = misaligned_runs(runs, shape)
+    for (config, temperature), reason in sorted(misaligned.items()):
+        if left_out is not None:
+            left_out.append({"shape": shape, "config": config, "temperature": temperature, "reason": reason})
+    lost = {temperature for _, temperature in misaligned}      # gone from both configs
+    runs = [r for r in runs if float(r.get("temperature", 0.0)) not in lost]
     key = lambda r: (r["concurrency"], float(r.get("temperature", 0.0)))  # noqa: E731
     ar = {key(r): r for r in runs if r["shape"] == shape and r["config"] == "AR" and "ms_per_step" in r}
     rows = []
@@ -138,13 +167,14 @@ def report(rounds: dict, presets: dict[str, tuple[dict, str]], dynamic_switch_hy
     """The results object (see the module docstring); `presets`: name -> (soak results, server log);
     `hybrid_switch`: the `bench_dynamic` file the verdict came from, summarised beside it;
     `no_hybrid_preset`: why the run served no hybrid preset (then `replayssm_scratch` is that reason)."""
-    entries, scratch = [], None
+    entries, scratch, left_out = [], None, []
     for name, (soak, log) in presets.items():
         entries.append({"preset": name, "served_minutes": float(soak["minutes"]), "requests": int(soak["requests"]),
                         "errors": int(soak["errors"]), "max_latency_over_p99": soak["max_latency_over_p99"],
                         "health_non_200": soak["health_non_200"], "soak_passed": bool(soak.get("passed")),
                         "flags_logged_in_effect": log.count(SERVE_FLAG_LINE), "memory_gb": memory_gb(log),
-                        "rounds": preset_rounds(rounds["runs"], name)})
+                        "rounds": preset_rounds(rounds["runs"], name, left_out),
+                        "device": rounds["device"], "date": rounds["date"], "rounds_command": rounds["command"]})
         found = scratch_bytes(log)
         if found is not None:
             scratch = {"preset": name, **found}
@@ -157,11 +187,33 @@ def report(rounds: dict, presets: dict[str, tuple[dict, str]], dynamic_switch_hy
     results = {"device": rounds["device"], "date": rounds["date"], "command": command, "sglang": rounds["sglang"],
                "rounds_command": rounds["command"], "presets": entries, "replayssm_scratch": scratch,
                "dynamic_switch_hybrid": dynamic_switch_hybrid}
+    if left_out:
+        results["rounds_left_out"] = left_out
     if hybrid_switch is not None:
         results["hybrid_switch_run"] = switch_run(hybrid_switch)
     check_schema(results, RESULTS_SCHEMA if isinstance(scratch, dict) else
                  {k: v for k, v in RESULTS_SCHEMA.items() if k != "replayssm_scratch"})
     return results
+
+
+def keep_earlier(results: dict, earlier: dict | None) -> dict:
+    """`results` with what an earlier run wrote to the same file and this one did not measure: its
+    presets of other names (each entry names its own device, date and rounds command), their
+    `rounds_left_out` rows, and its ReplaySSM scratch where this run served no hybrid preset. So
+    presets measured in different sessions (the 27B one needs an H200, the 8B one fits an H100)
+    gather in one file."""
+    if not earlier:
+        return results
+    names = {entry["preset"] for entry in results["presets"]}
+    kept = [entry for entry in earlier.get("presets", []) if entry["preset"] not in names]
+    merged = {**results, "presets": kept + results["presets"]}
+    left_out = [row for row in earlier.get("rounds_left_out", []) if row["shape"] not in names]
+    left_out += results.get("rounds_left_out", [])
+    if left_out:
+        merged["rounds_left_out"] = left_out
+    if not isinstance(results["replayssm_scratch"], dict) and isinstance(earlier.get("replayssm_scratch"), dict):
+        merged["replayssm_scratch"] = earlier["replayssm_scratch"]
+    return merged
 
 
 def plot(results: dict, out_dir: Path, name: str = RESULTS_NAME) -> Path | None:
@@ -171,7 +223,7 @@ def plot(results: dict, out_dir: Path, name: str = RESULTS_NAME) -> Path | None:
     if plt is None:
         return None
     presets = results["presets"]
-    fig, axes = plt.subplots(1, len(presets), figsize=(5.2 * len(presets), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(presets), figsize=(max(6.5, 5.2 * len(presets)), 3.8), squeeze=False)
     for ax, preset in zip(axes[0], presets):
         for temperature, style in ((0.0, "-"), (1.0, "--")):
             rows = [r for r in preset["rounds"] if r["temperature"] == temperature]
@@ -186,7 +238,8 @@ def plot(results: dict, out_dir: Path, name: str = RESULTS_NAME) -> Path | None:
         ax.set_ylabel("ms")
         ax.set_title(f"{preset['preset']}: {preset['requests']} soak requests, {preset['errors']} errors", fontsize=9)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Published presets at their shapes, dummy weights ({results['device']}, SGLang {results['sglang']})")
+    fig.suptitle(f"Published presets at their shapes, dummy weights ({results['device']}, SGLang {results['sglang']})",
+                 fontsize=10)
     return save_figure(fig, out_dir / f"{name}.png", dpi=110)
 
 
@@ -227,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         switch = switch_verdict(dynamic) if dynamic is not None else args.dynamic_switch_hybrid
         results = report(json.loads(args.rounds.read_text()), presets, switch, command_line(argv), dynamic,
                          args.no_hybrid_preset)
+        earlier_path = args.out_dir / f"{args.results_name}.json"
+        results = keep_earlier(results, json.loads(earlier_path.read_text()) if earlier_path.is_file() else None)
     except (OSError, ValueError, KeyError, BenchError) as exc:
         print(f"real shapes: {exc}", file=sys.stderr)
         return 1
@@ -237,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in preset["rounds"]:
             print(f"  c={r['concurrency']:<3} T={r['temperature']:g}  round {r['ms_per_round']:.2f} ms  "
                   f"AR step {r['ms_per_step']:.2f} ms  ({r['round_over_step']:.2f}x)")
+    for row in results.get("rounds_left_out", []):
+        print(f"  left out: {row['shape']} {row['config']} T={row['temperature']:g}: {row['reason']}")
     s = results["replayssm_scratch"]
     if isinstance(s, dict):
         print(f"ReplaySSM scratch per request ({s['preset']}): {s['replayssm_bytes']} against {s['snapshot_bytes']} "

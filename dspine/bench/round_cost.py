@@ -28,7 +28,10 @@ servers an earlier benchmark already sent them to.
    attention backends as `/server_info` reports them, and what the divergences are.
 
 Every profile phase of a config runs before its throughput levels: the profiler counts every decode
-step, so a throughput level run between two phases would be measured as the next phase.
+step, so a throughput level run between two phases would be measured as the next phase. Hence
+`--temperature 0,1` measures both temperatures in one run (phases: each temperature's levels in
+turn, then the throughput levels); a phase whose mean batch size is not about its level's
+concurrency is refused, naming the cause.
 
 DSPINE-copy is a DSPINE server whose drafter has `copy_candidates: true`; any other `DSPINE-<label>`
 names a DSPINE server started with a setting of the caller's (e.g. `DSPINE-splitkv` with
@@ -126,20 +129,34 @@ NEAR_TIE_NATS = 0.25   # two bf16 steps of a small target's top logits (`dspine.
 PROFILE_POOL = 64      # prompts the step-profile phases cycle through, apart from the throughput levels
 
 
-def profile_config(name: str, base: str, profile_dir: Path | None, args, bodies: list[dict]) -> list[dict]:
-    """One config's rows, one per concurrency level, with its step-profile phases measured (when
-    given a folder; see the module docstring)."""
-    tokens = prompt_tokens(base, bodies[: min(8, len(bodies))], args.request_timeout)
+def check_phase_batch(name: str, phase: int, concurrency: int, mean_batch_size: float) -> None:
+    """A phase measured at `concurrency` in flight has a mean decode batch of about that size (half to
+    one and a half times it); anything else means other steps filled the phase."""
+    if not 0.5 * concurrency <= mean_batch_size <= 1.5 * concurrency:
+        raise BenchError(f"{name}: the step profile's phase {phase} (c={concurrency}) measured a mean batch of "
+                         f"{mean_batch_size:.1f}: other decode steps filled it (an earlier run's throughput levels "
+                         "or another client). Fix: measure every temperature in one run (--temperature 0,1) on a "
+                         "freshly started server, with DSPINE_STEP_PROFILE_PHASES = temperatures x levels")
+
+
+def profile_config(name: str, base: str, profile_dir: Path | None, args, bodies: dict[float, list[dict]]) -> list[dict]:
+    """One config's rows, one per (temperature, concurrency level), with its step-profile phases
+    measured in that order (when given a folder; see the module docstring). `bodies`: the profile
+    pool's requests per temperature."""
+    first = bodies[args.temperature[0]]
+    tokens = prompt_tokens(base, first[: min(8, len(first))], args.request_timeout)
     runs = [{"config": name, "shape": args.shape, "workload": args.workload, "concurrency": c,
-             "temperature": args.temperature, "prompt_tokens": tokens} for c in args.concurrency]
+             "temperature": t, "prompt_tokens": tokens} for t in args.temperature for c in args.concurrency]
     if profile_dir is not None:
         for level, row in enumerate(runs, args.profile_from_phase):
             c = row["concurrency"]
-            load = drive(base, profile_dir, bodies, c, want_files=level, timeout_s=args.profile_timeout)
+            load = drive(base, profile_dir, bodies[row["temperature"]], c, want_files=level,
+                         timeout_s=args.profile_timeout)
             if not load["phase_done"]:
                 raise BenchError(f"{name}: the step profile's phase {level} (c={c}) did not finish within "
                                  f"{args.profile_timeout:.0f} s ({load['tokens']} tokens sent)")
             record = profile_record(profile_dir, level)
+            check_phase_batch(name, level, c, float(record["mean_batch_size"]))
             row.update(ms_per_step=float(record["ms_per_step"]), host_ms_per_step=host_ms(record),
                        wait_ms_per_step=float(record.get("ms_per_step_waiting", 0.0)),
                        ms_per_step_in={name: round(float(ms), 4) for name, ms in record["ms_per_step_in"].items()},
@@ -152,10 +169,10 @@ def level_prompts(args) -> int:
     return max(args.prompts, max(args.concurrency))
 
 
-def throughput(rows: dict[str, list[dict]], args, bodies: list[dict]) -> None:
+def throughput(rows: dict[str, list[dict]], args, bodies: dict[float, list[dict]]) -> None:
     """Fill each row's `output_tok_per_s` (mean over `args.repeats`, each kept in
     `output_tok_per_s_repeats`) and `accept_len` (over every repeat's replies), configs interleaved
-    within each repeat; (repeat r, level i) sends slice r * levels + i of `bodies`."""
+    within each repeat; (repeat r, row i) sends slice r * rows + i of its temperature's `bodies`."""
     samples: dict[tuple[str, int], list[dict]] = {}
     size = level_prompts(args)
     for repeat in range(args.repeats):
@@ -163,7 +180,7 @@ def throughput(rows: dict[str, list[dict]], args, bodies: list[dict]) -> None:
             for i, row in enumerate(runs):
                 c = row["concurrency"]
                 start = (repeat * len(runs) + i) * size
-                stats, _ = run_level(args.urls[name].rstrip("/"), bodies[start: start + size], c,
+                stats, _ = run_level(args.urls[name].rstrip("/"), bodies[row["temperature"]][start: start + size], c,
                                      args.request_timeout, streamed=False)
                 samples.setdefault((name, c), []).append(stats)
                 print(f"{name:<13} c={c:<3} repeat {repeat + 1}/{args.repeats}: "
@@ -292,6 +309,14 @@ def merge(old: dict | None, new_runs: list[dict], header: dict) -> dict:
     return merged
 
 
+def temperatures(text: str) -> list[float]:
+    """`--temperature`: comma-separated temperatures >= 0, each once."""
+    values = [float(x) for x in text.split(",")]
+    if any(not v >= 0 for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: temperatures >= 0, comma-separated, each once (e.g. 0,1)")
+    return values
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(
         description="T_step against T_round, with host time per step, for servers already running "
@@ -312,8 +337,9 @@ def parse_args(argv):
     p.add_argument("--prompts", type=int, default=32, help="requests per throughput level (at least c)")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature of every request (default 0: greedy); rows record it")
+    p.add_argument("--temperature", type=temperatures, default=[0.0], metavar="T[,T...]",
+                   help="sampling temperature(s) of the requests (default 0: greedy); several, e.g. 0,1, are "
+                        "measured in one run, each temperature's levels in turn; rows record it")
     p.add_argument("--served-model", default="default")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--profile-timeout", type=float, default=120.0, help="seconds per step-profile phase")
@@ -363,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(results))
         plot(results, args.out_dir, args.results_name)
         return 0
-    n = level_prompts(args) * args.repeats * len(args.concurrency) + PROFILE_POOL
+    n = level_prompts(args) * args.repeats * len(args.concurrency) * len(args.temperature) + PROFILE_POOL
     if args.workload.startswith("synthetic:"):
         prompts = synthetic_prompts(int(args.workload.split(":", 1)[1]), n + args.skip_prompts)[args.skip_prompts:]
     elif args.workload == "mix":
@@ -375,8 +401,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{n} wanted (levels x repeats x --prompts + {PROFILE_POOL}); lower --prompts or --repeats",
                   file=sys.stderr)
             return 1
-    bodies = [chat_body(p, args.served_model, args.max_tokens, temperature=args.temperature) for p in prompts]
-    profile_bodies, level_bodies = bodies[-PROFILE_POOL:], bodies[:-PROFILE_POOL]
+    bodies = {t: [chat_body(p, args.served_model, args.max_tokens, temperature=t) for p in prompts]
+              for t in args.temperature}
+    profile_bodies = {t: b[-PROFILE_POOL:] for t, b in bodies.items()}
+    level_bodies = {t: b[:-PROFILE_POOL] for t, b in bodies.items()}
     rows: dict[str, list[dict]] = {}
     info, sections = {}, {}
     try:
