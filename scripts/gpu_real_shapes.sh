@@ -16,7 +16,9 @@
 # DSPINE_REAL_PRESETS="P27 P8" (default) picks the presets: P8 alone fits an 80-GB H100;
 # the 27B preset needs an H200; "none" runs only the speculation switch on the small hybrid.
 # DSPINE_REAL_ROUNDS=0 goes straight to the soaks and skips the AR servers; DSPINE_REAL_SWITCH_SECONDS
-# bounds the switch benchmark (default 540; 0 skips it).
+# bounds the switch benchmark (default 540; 0 skips it). DSPINE_REAL_SOAK_MINUTES=0 skips the soaks (a
+# rounds-only rerun: the report then keeps the preset's earlier soak, `report_real_shapes.py --preset
+# NAME=-,LOG`).
 #
 # 1. Serving folders of both shapes (scripts/make_real_shape_dirs.py) and a small random hybrid
 #    Qwen3-Next target with a random DSpine drafter (dspine.bench.hybrid_pair).
@@ -94,6 +96,7 @@ log "start"
 # Which presets (DSPINE_REAL_PRESETS, default both: "P27 P8"). Both share the card, and the 27B target
 # alone is 50 GB of weights: it needs an H200 (~139 GiB); the 8B preset alone fits an 80-GB H100.
 PRESETS=" ${DSPINE_REAL_PRESETS:-P27 P8} "
+SOAK_MINUTES=${DSPINE_REAL_SOAK_MINUTES:-10}
 want() { [[ $PRESETS == *" $1 "* ]]; }
 total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
 if want P27 && [ "${total_mib:-0}" -lt 120000 ]; then
@@ -128,8 +131,8 @@ fi
 
 soaks=()
 for name in P27 P8; do
-  want $name || continue
-  python3 scripts/soak.py --url "$(url $name)" --minutes 10 --clients 32 --out "$OUT" --config "$name" \
+  want $name && [ "$SOAK_MINUTES" != 0 ] || continue
+  python3 scripts/soak.py --url "$(url $name)" --minutes "$SOAK_MINUTES" --clients 32 --out "$OUT" --config "$name" \
     --prompts "$PROMPTS/eval-sharegpt-heldout.jsonl" --server-pid "$(cat "$PROF/$name.pid")" > "$LOGS/soak_$name.txt" 2>&1 &
   soaks+=("$!")
 done
@@ -143,9 +146,11 @@ timeout "$SWITCH_SECONDS" python3 scripts/bench_dynamic.py --configs AR,DSPINE-p
   --out-dir "$OUT/hybrid_switch" > "$LOGS/hybrid_switch.txt" 2>&1
 log "hybrid switch: exit $? ($(tail -n 4 "$LOGS/hybrid_switch.txt" | tr '\n' ' '))"
 fi
-wait "${soaks[@]}"
+(( ${#soaks[@]} )) && wait "${soaks[@]}"   # a bare `wait` would wait for the servers too
 for name in P27 P8; do
-  want $name && { log "soak $name: $(tail -n 2 "$LOGS/soak_$name.txt" | tr '\n' ' ')"; stop $name; }
+  want $name || continue
+  if [ "$SOAK_MINUTES" != 0 ]; then log "soak $name: $(tail -n 2 "$LOGS/soak_$name.txt" | tr '\n' ' ')"; fi
+  stop $name
 done
 
 [ "${DSPINE_REAL_ROUNDS:-1}" = 0 ] && { log "done (no rounds)"; exit 0; }

@@ -121,6 +121,33 @@ def test_a_later_run_of_the_other_preset_keeps_the_earlier_one(tmp_path):
     rep.check_schema(results, rep.RESULTS_SCHEMA)
 
 
+def test_a_rounds_only_rerun_keeps_the_soak_and_fills_the_left_out_temperature():
+    first = rounds()
+    first["runs"] = [r for r in first["runs"] if r["shape"] == "qwen3.8-27b"]
+    for r in first["runs"]:
+        r["mean_batch_size"] = 1.0 if r["temperature"] == 1.0 else float(r["concurrency"])   # T=1 left out
+    earlier = rep.report(first, {"qwen3.8-27b": (soak(requests=3089), LOG_27B)}, True, "first")
+    assert len(earlier["presets"][0]["rounds"]) == 3 and len(earlier["rounds_left_out"]) == 2
+    second = rounds()                                  # both temperatures measured right, on an H200 again
+    second["runs"] = [r for r in second["runs"] if r["shape"] == "qwen3.8-27b"
+                      and (r["concurrency"], r["temperature"]) != (32, 0.0)]     # that one kept from before
+    second["date"] = "2026-12-08"
+    for r in second["runs"]:
+        r["mean_batch_size"] = float(r["concurrency"])
+        r["ms_per_step"] *= 1.01
+    out = rep.report(second, {"qwen3.8-27b": (None, LOG_27B)}, True, "second", earlier=earlier)
+    rep.check_schema(out, rep.RESULTS_SCHEMA)
+    (entry,) = out["presets"]
+    assert (entry["requests"], entry["soak_date"], entry["date"]) == (3089, "2026-12-04", "2026-12-08")
+    assert {(r["concurrency"], r["temperature"]) for r in entry["rounds"]} == {
+        (c, t) for c in (1, 8, 32) for t in (0.0, 1.0)}
+    assert entry["rounds"][0]["ms_per_round"] == pytest.approx(14.0 * (1.2 + 1 / 32) * 1.01)   # the new run's
+    assert entry["rounds"][2]["ms_per_round"] == pytest.approx(14.0 * (1.2 + 1))               # the earlier one
+    assert "rounds_left_out" not in out
+    with pytest.raises(BenchError, match="no soak"):
+        rep.report(second, {"qwen3.8-27b": (None, LOG_27B)}, True, "second")
+
+
 def reply(ids, widths):
     """One bench_dynamic reply: token ids and the verify width of each decode step (16 draft, 1 plain)."""
     return {"tokens": len(ids), "verify_ct": len(widths), "verify_tokens": widths, "token_ids": ids}

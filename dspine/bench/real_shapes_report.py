@@ -19,8 +19,9 @@ shape. This report joins them:
   logged in effect;
 - `replayssm_scratch`: the DSPINE worker's start-up line of the hybrid preset (ReplaySSM's verify
   scratch per request as allocated, against per-token snapshots at the pool's shapes);
-- a preset the file already holds from an earlier run and this run did not serve is kept
-  (`keep_earlier`), so the two presets may be measured in different sessions;
+- a preset the file already holds from an earlier run and this run did not serve is kept, and a
+  rounds-only rerun of a preset (`--preset NAME=-,LOG`, the script's `DSPINE_REAL_SOAK_MINUTES=0`)
+  keeps its earlier soak (`keep_earlier`), so the presets may be measured in different sessions;
 - `dynamic_switch_hybrid`: true when `--hybrid-switch` (`scripts/bench_dynamic.py` on a hybrid
   target: AR, DSPINE-plain and DSPINE-dynamic servers) shows the switch served it exactly
   (`switch_verdict`), else what that file shows went wrong; `--dynamic-switch-hybrid REASON` instead
@@ -162,16 +163,22 @@ def switch_run(dynamic: dict) -> dict:
             "parity_c1": dynamic.get("parity_c1"), "steps": steps}
 
 
-def report(rounds: dict, presets: dict[str, tuple[dict, str]], dynamic_switch_hybrid, command: str,
-           hybrid_switch: dict | None = None, no_hybrid_preset: str | None = None) -> dict:
-    """The results object (see the module docstring); `presets`: name -> (soak results, server log);
-    `hybrid_switch`: the `bench_dynamic` file the verdict came from, summarised beside it;
-    `no_hybrid_preset`: why the run served no hybrid preset (then `replayssm_scratch` is that reason)."""
+def soak_fields(soak: dict) -> dict:
+    """A preset entry's soak part from `scripts/soak.py`'s results."""
+    return {"served_minutes": float(soak["minutes"]), "requests": int(soak["requests"]), "errors": int(soak["errors"]),
+            "max_latency_over_p99": soak["max_latency_over_p99"], "health_non_200": soak["health_non_200"],
+            "soak_passed": bool(soak.get("passed"))}
+
+
+def report(rounds: dict, presets: dict[str, tuple[dict | None, str]], dynamic_switch_hybrid, command: str,
+           hybrid_switch: dict | None = None, no_hybrid_preset: str | None = None, earlier: dict | None = None) -> dict:
+    """The results object (see the module docstring); `presets`: name -> (soak results, or None for a
+    rounds-only run, server log); `hybrid_switch`: the `bench_dynamic` file the verdict came from,
+    summarised beside it; `no_hybrid_preset`: why the run served no hybrid preset (then
+    `replayssm_scratch` is that reason); `earlier`: the results file this run adds to (`keep_earlier`)."""
     entries, scratch, left_out = [], None, []
     for name, (soak, log) in presets.items():
-        entries.append({"preset": name, "served_minutes": float(soak["minutes"]), "requests": int(soak["requests"]),
-                        "errors": int(soak["errors"]), "max_latency_over_p99": soak["max_latency_over_p99"],
-                        "health_non_200": soak["health_non_200"], "soak_passed": bool(soak.get("passed")),
+        entries.append({"preset": name, **(soak_fields(soak) if soak is not None else {}),
                         "flags_logged_in_effect": log.count(SERVE_FLAG_LINE), "memory_gb": memory_gb(log),
                         "rounds": preset_rounds(rounds["runs"], name, left_out),
                         "device": rounds["device"], "date": rounds["date"], "rounds_command": rounds["command"]})
@@ -191,27 +198,53 @@ def report(rounds: dict, presets: dict[str, tuple[dict, str]], dynamic_switch_hy
         results["rounds_left_out"] = left_out
     if hybrid_switch is not None:
         results["hybrid_switch_run"] = switch_run(hybrid_switch)
+    results = keep_earlier(results, earlier)
+    scratch = results["replayssm_scratch"]
     check_schema(results, RESULTS_SCHEMA if isinstance(scratch, dict) else
                  {k: v for k, v in RESULTS_SCHEMA.items() if k != "replayssm_scratch"})
     return results
 
 
 def keep_earlier(results: dict, earlier: dict | None) -> dict:
-    """`results` with what an earlier run wrote to the same file and this one did not measure: its
-    presets of other names (each entry names its own device, date and rounds command), their
-    `rounds_left_out` rows, and its ReplaySSM scratch where this run served no hybrid preset. So
+    """`results` with what an earlier run wrote to the same file and this one did not measure, so
     presets measured in different sessions (the 27B one needs an H200, the 8B one fits an H100)
-    gather in one file."""
-    if not earlier:
-        return results
+    gather in one file:
+
+    - its presets of other names, as they were (each entry names its own device, date and rounds
+      command), with their `rounds_left_out` rows;
+    - for a preset this run served without a soak (a rounds-only rerun), the earlier entry's soak
+      (`soak_device`, `soak_date` say where it ran) and its rounds at the (concurrency, temperature)
+      this run did not measure, with the earlier left-out rows of temperatures still unmeasured;
+    - its ReplaySSM scratch where this run served no hybrid preset.
+    A preset without a soak here or before is an error that names the fix."""
+    before = {entry["preset"]: entry for entry in (earlier or {}).get("presets", [])}
     names = {entry["preset"] for entry in results["presets"]}
-    kept = [entry for entry in earlier.get("presets", []) if entry["preset"] not in names]
-    merged = {**results, "presets": kept + results["presets"]}
-    left_out = [row for row in earlier.get("rounds_left_out", []) if row["shape"] not in names]
+    measured = {(entry["preset"], r["temperature"]) for entry in results["presets"] for r in entry["rounds"]}
+    entries = [entry for entry in before.values() if entry["preset"] not in names]
+    rounds_only = set()
+    for entry in results["presets"]:
+        if "served_minutes" in entry:
+            entries.append(entry)
+            continue
+        old = before.get(entry["preset"])
+        if old is None or "served_minutes" not in old:
+            raise BenchError(f"{entry['preset']}: this run has no soak and the results file none to keep. Fix: pass "
+                             "the soak file (--preset NAME=SOAK_JSON,LOG), or soak the preset first")
+        rounds_only.add(entry["preset"])
+        new_keys = {(r["concurrency"], r["temperature"]) for r in entry["rounds"]}
+        rounds = [r for r in old["rounds"] if (r["concurrency"], r["temperature"]) not in new_keys] + entry["rounds"]
+        entries.append({**old, **entry,
+                        "rounds": sorted(rounds, key=lambda r: (r["temperature"], r["concurrency"])),
+                        "soak_device": old.get("soak_device", old["device"]), "soak_date": old.get("soak_date", old["date"])})
+    merged = {**results, "presets": entries}
+    left_out = [row for row in (earlier or {}).get("rounds_left_out", []) if row["shape"] not in names
+                or (row["shape"] in rounds_only and (row["shape"], row["temperature"]) not in measured)]
     left_out += results.get("rounds_left_out", [])
+    merged.pop("rounds_left_out", None)
     if left_out:
         merged["rounds_left_out"] = left_out
-    if not isinstance(results["replayssm_scratch"], dict) and isinstance(earlier.get("replayssm_scratch"), dict):
+    if earlier and not isinstance(results["replayssm_scratch"], dict) \
+            and isinstance(earlier.get("replayssm_scratch"), dict):
         merged["replayssm_scratch"] = earlier["replayssm_scratch"]
     return merged
 
@@ -248,7 +281,8 @@ def parse_args(argv):
                                             "real_shapes_h200.json (see the module docstring).")
     p.add_argument("--rounds", type=Path, required=True, help="bench_round_cost's results file of the run")
     p.add_argument("--preset", action="append", required=True, metavar="NAME=SOAK_JSON,SERVER_LOG",
-                   help="per preset: its soak file and its server's log")
+                   help="per preset: its soak file and its server's log; SOAK_JSON '-' for a rounds-only rerun "
+                        "(DSPINE_REAL_SOAK_MINUTES=0), which keeps the soak the results file holds")
     switch = p.add_mutually_exclusive_group(required=True)
     switch.add_argument("--hybrid-switch", type=Path, metavar="DYNAMIC_JSON",
                         help="scripts/bench_dynamic.py's results on a hybrid target (AR, DSPINE-plain, DSPINE-dynamic)")
@@ -267,21 +301,21 @@ def parse_args(argv):
         soak, _, log = files.partition(",")
         if not (name and soak and log):
             p.error(f"--preset {item}: expected NAME=SOAK_JSON,SERVER_LOG")
-        args.presets[name] = (Path(soak), Path(log))
+        args.presets[name] = (None if soak == "-" else Path(soak), Path(log))
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        presets = {name: (json.loads(soak.read_text()), log.read_text(errors="replace"))
+        presets = {name: (None if soak is None else json.loads(soak.read_text()), log.read_text(errors="replace"))
                    for name, (soak, log) in args.presets.items()}
+        earlier_path = args.out_dir / f"{args.results_name}.json"
+        earlier = json.loads(earlier_path.read_text()) if earlier_path.is_file() else None
         dynamic = json.loads(args.hybrid_switch.read_text()) if args.hybrid_switch else None
         switch = switch_verdict(dynamic) if dynamic is not None else args.dynamic_switch_hybrid
         results = report(json.loads(args.rounds.read_text()), presets, switch, command_line(argv), dynamic,
-                         args.no_hybrid_preset)
-        earlier_path = args.out_dir / f"{args.results_name}.json"
-        results = keep_earlier(results, json.loads(earlier_path.read_text()) if earlier_path.is_file() else None)
+                         args.no_hybrid_preset, earlier)
     except (OSError, ValueError, KeyError, BenchError) as exc:
         print(f"real shapes: {exc}", file=sys.stderr)
         return 1
