@@ -13,6 +13,11 @@
 #                  (default 2000)
 #   CONFIGS        (environment) the configs, in order (default "DSPINE AR"; DFLASH: SGLang's DFLASH
 #                  with a dummy 5-layer block-16 drafter of the same shapes)
+#   SHAPE          (environment) qwen3-8b (default) or smollm2-135m: the staged SmolLM2-135M-Instruct
+#                  (the bundle built --with-model smollm2, $SMOLLM2) with the shipped drafter, the five
+#                  dev sets mixed as prompts (PROMPT_TOKENS ignored; DSPINE_PROMPTS_DIR, which
+#                  gpu_host_sglang.sh sets), 256-token answers; configs DSPINE, DSPINE-copy (the shipped
+#                  drafter with copy candidates), AR and NGRAM; C e.g. 1,16
 #
 # For DSPINE (the qwen3-8b preset; triton attention, as FA3 is not in the bundle), AR (plain SGLang,
 # same target and memory flags) and DFLASH, one server at a time: start it with the step profiler on
@@ -32,10 +37,28 @@ log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$OUT/progress.txt"; }
 
 python3 -m zipfile -e "$WHEEL" "$PYSPY" && SPY=$(find "$PYSPY" -name py-spy -type f | head -n 1) && chmod +x "$SPY" \
   || { log "no py-spy binary in $WHEEL"; exit 1; }
-python3 scripts/make_real_shape_dirs.py "$TOKENIZER" "$SHAPES" --shapes qwen3-8b >> "$OUT/progress.txt" 2>&1 || exit 1
-TARGET=$SHAPES/qwen3-8b/target
-COMMON=(--model-path "$TARGET" --load-format dummy --attention-backend triton --mem-fraction-static 0.6
-        --max-running-requests 48 --cuda-graph-max-bs-decode 48)
+SHAPE=${SHAPE:-qwen3-8b}
+case $SHAPE in
+  qwen3-8b)
+    python3 scripts/make_real_shape_dirs.py "$TOKENIZER" "$SHAPES" --shapes qwen3-8b >> "$OUT/progress.txt" 2>&1 || exit 1
+    TARGET=$SHAPES/qwen3-8b/target
+    COMMON=(--model-path "$TARGET" --load-format dummy --attention-backend triton --mem-fraction-static 0.6
+            --max-running-requests 48 --cuda-graph-max-bs-decode 48)
+    WORKLOAD=(--workload "synthetic:$TOKENS" --max-tokens 48) ;;
+  smollm2-135m)
+    TARGET=${SMOLLM2:?no SMOLLM2: stage the bundle built --with-model smollm2}
+    [ -f "$TARGET/config.json" ] || { log "no SmolLM2 at $TARGET: stage the bundle built --with-model smollm2"; exit 1; }
+    DRAFT=$SHAPES/dspine COPY_DRAFT=$SHAPES/dspine-copy   # copies: later calls may carry no checkpoint
+    rm -rf "$DRAFT" && mkdir -p "$SHAPES" && cp -r dspine/checkpoints/dspine-smollm2-135m-instruct "$DRAFT" || exit 1
+    python3 -c "import sys; from pathlib import Path; from dspine.bench.copy_candidates import make_variant
+make_variant(Path(sys.argv[1]), Path(sys.argv[2]), {})" \
+      "$DRAFT" "$COPY_DRAFT" >> "$OUT/progress.txt" 2>&1 || exit 1
+    COMMON=(--model-path "$TARGET" --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.3
+            --cuda-graph-max-bs-decode 64)
+    WORKLOAD=(--workload mix --prompts-dir "${DSPINE_PROMPTS_DIR:?DSPINE_PROMPTS_DIR: exported evaluation prompts}" --max-tokens 256
+              --repeats 2) ;;
+  *) log "unknown SHAPE $SHAPE (qwen3-8b or smollm2-135m)"; exit 2 ;;
+esac
 
 scheduler_pid() {  # PGID: the SGLang scheduler process of the server leading that process group
   pgrep -g "$1" -f 'sglang::scheduler' | head -n 1
@@ -56,7 +79,7 @@ profile() {  # CONFIG PORT COMMAND...: start, drive, record, stop
   done
   log "$name ready"
   python3 scripts/bench_round_cost.py --url "$name=http://127.0.0.1:$port" --profile-dir "$name=$PROF/$name" \
-    --shape qwen3-8b --workload "synthetic:$TOKENS" --concurrency "$C" --prompts 32 --max-tokens 48 \
+    --shape "$SHAPE" "${WORKLOAD[@]}" --concurrency "$C" --prompts 32 \
     --profile-timeout 120 --out-dir "$OUT" --results-name rounds > "$LOGS/rounds_$name.txt" 2>&1 &
   load=$!
   spid=$(scheduler_pid "$pid")
@@ -89,8 +112,18 @@ PY
 }
 
 LEVELS=$(echo "$C" | tr ',' '\n' | wc -l)
-log "start: c=$C, ~$TOKENS-token prompts"
+log "start: $SHAPE, c=$C$([ "$SHAPE" = qwen3-8b ] && echo ", ~$TOKENS-token prompts")"
 for config in ${CONFIGS:-DSPINE AR}; do
+  case $SHAPE:$config in
+    smollm2-135m:DSPINE) profile DSPINE 30071 python3 -m dspine.cli serve --preset smollm2-135m \
+              --speculative-draft-model-path "$DRAFT" ;;
+    smollm2-135m:DSPINE-copy) profile DSPINE-copy 30073 python3 -m dspine.cli serve --preset smollm2-135m \
+              --speculative-draft-model-path "$COPY_DRAFT" ;;
+    smollm2-135m:AR) profile AR 30070 python3 -m sglang.launch_server ;;
+    smollm2-135m:NGRAM) profile NGRAM 30074 python3 -m sglang.launch_server --speculative-algorithm NGRAM ;;
+    smollm2-135m:*) log "unknown config $config for smollm2-135m (DSPINE, DSPINE-copy, AR or NGRAM)"; exit 2 ;;
+  esac
+  [ "$SHAPE" = qwen3-8b ] || continue
   case $config in
     DSPINE) profile DSPINE 30071 python3 -m dspine.cli serve --preset qwen3-8b \
               --speculative-draft-model-path "$SHAPES/qwen3-8b/dspine" --speculative-draft-load-format dummy \
