@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dspine import generate
-from dspine.model.checkpoint import load_checkpoint, save_checkpoint
+from dspine.model.checkpoint import load_checkpoint, read_config, save_checkpoint
 from dspine.engine.proposer import DSpineProposer
 from dspine.bench import tp_padded_pair as pad
 
@@ -367,6 +367,23 @@ def test_already_divisible_is_copied_unchanged(pair, tmp_path, capsys):
     for src, dst in ((target_dir, out / "target"), (drafter_dir, out / "drafter")):
         for p in src.iterdir():
             assert (dst / p.name).read_bytes() == p.read_bytes(), p
+
+
+def test_the_padded_drafter_has_copy_candidates_off(pair, tmp_path):
+    """Copy candidates run at tensor parallel size 1 (the worker refuses them at --tp-size > 1): a
+    drafter shipped with them on is written for TP with them off, padded or copied."""
+    _, drafter_dir, target_dir, _ = pair
+    src = tmp_path / "drafter-copy"
+    shutil.copytree(drafter_dir, src)
+    raw = json.loads((src / "config.json").read_text())
+    raw["dspine_config"]["copy_candidates"] = True
+    (src / "config.json").write_text(json.dumps(raw))
+    for tp in (TP, 3):                                   # padded (9/3 heads at tp 2), copied (tp 3)
+        out = tmp_path / f"tp{tp}"
+        pad.make_pair(target_dir, src, out, tp=tp)
+        written = json.loads((out / "drafter" / "config.json").read_text())["dspine_config"]
+        assert written["copy_candidates"] is False, tp
+        assert read_config(out / "drafter").copy_candidates is False
 
 
 def _config_only_dir(path: Path, **cfg) -> Path:

@@ -20,7 +20,8 @@ writes
                    the padded `layers.{i}.self_attn.{q,k,v,o}_proj` tensors and every other tensor
                    byte-identical, and every other file of TARGET_DIR unchanged;
   OUT_DIR/drafter  the drafter re-saved with dspine's checkpoint writer: padded attention, both
-                   config blocks (`dspine_config` and the HF-style mirror) updated, same dtype.
+                   config blocks (`dspine_config` and the HF-style mirror) updated, same dtype; copy
+                   candidates off (they run at tensor parallel size 1).
 
 Then serve, e.g. `python -m sglang.launch_server --model-path OUT_DIR/target --tp-size 2
 --speculative-algorithm DSPINE --speculative-draft-model-path OUT_DIR/drafter ...`.
@@ -307,6 +308,16 @@ def pad_target_dir(src: Path, dst: Path, tp: int = 2) -> dict:
 # Drafter
 # ---------------------------------------------------------------------------------------------
 
+def without_copy_candidates(config_file: Path) -> None:
+    """Turn a copied drafter's copy candidates off: they run at tensor parallel size 1 only (the copy
+    path scores the whole vocabulary through the unsharded head), and the worker refuses them at
+    `--tp-size` > 1."""
+    raw = read_json(config_file)
+    if raw.get("dspine_config", {}).get("copy_candidates"):
+        raw["dspine_config"]["copy_candidates"] = False
+        config_file.write_text(json.dumps(raw, indent=2) + "\n")
+
+
 def pad_drafter_dir(src: Path, dst: Path, tp: int = 2) -> dict:
     """Write the padded copy of the DSpine checkpoint `src` to the new directory `dst`.
 
@@ -330,6 +341,7 @@ def pad_drafter_dir(src: Path, dst: Path, tp: int = 2) -> dict:
     summary = {"dir": str(dst), "layout": layout, "architecture": "DSpineDraftModel"}
     if not layout.needs_padding:
         shutil.copytree(src, dst)
+        without_copy_candidates(dst / CONFIG_FILE)
         return summary | {"padded_tensors": 0, "copied": sorted(p.name for p in src.iterdir()), "left_out": []}
     raw = read_json(src / CONFIG_FILE)
     model = load_checkpoint(src)  # in the checkpoint's own dtype
@@ -338,7 +350,7 @@ def pad_drafter_dir(src: Path, dst: Path, tp: int = 2) -> dict:
     check_attention_coverage(state, cfg.num_hidden_layers, str(src))
     new_state = pad_attention_weights(state, layout, where=str(src))
     new_cfg = cfg.replace(num_attention_heads=layout.q_padded, num_key_value_heads=layout.kv_padded,
-                          head_dim=layout.head_dim)
+                          head_dim=layout.head_dim, copy_candidates=False)   # see without_copy_candidates
     new_model = DSpineDrafter(new_cfg)
     new_model.load_state_dict(new_state, strict=True)
     files = safetensors_files(src)
