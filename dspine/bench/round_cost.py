@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = load_set_prompts(args.workload, n, args.prompts_dir, args.skip_prompts)
         if len(prompts) < n:
             print(f"round cost: {args.workload} has {len(prompts)} prompts after skipping {args.skip_prompts}, "
-                  f"{n} wanted (levels x repeats x --prompts + {PROFILE_POOL}); lower --prompts or --repeats",
+                  f"{n} wanted (levels x temperatures x repeats x --prompts + {PROFILE_POOL}); lower --prompts or --repeats",
                   file=sys.stderr)
             return 1
     bodies = {t: [chat_body(p, args.served_model, args.max_tokens, temperature=t) for p in prompts]
