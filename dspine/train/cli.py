@@ -31,6 +31,7 @@ def cmd_train(args) -> int:
     import torch
 
     from dspine.engine.targets import TargetLoadError
+    from dspine.train import distributed
     from dspine.train.config import TrainConfig, TrainConfigError
     from dspine.train.trainer import train
 
@@ -49,6 +50,8 @@ def cmd_train(args) -> int:
     except (TrainConfigError, TargetLoadError) as exc:
         print(f"dspine train: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        distributed.teardown()
     return 0 if export is not None else 3
 
 

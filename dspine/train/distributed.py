@@ -85,6 +85,15 @@ def setup(device: str) -> tuple[DistContext, str]:
     return _context, device
 
 
+def teardown() -> None:
+    """Leaves the process group `setup` joined (a no-op without one). Called before the process
+    exits: gloo's threads outliving the group at interpreter exit can abort the process."""
+    global _context
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+    _context = DistContext()
+
+
 def context() -> DistContext:
     """The context of `setup` (one process when it was not called under torchrun)."""
     return _context
