@@ -18,6 +18,9 @@
 #                  dev sets mixed as prompts (PROMPT_TOKENS ignored; DSPINE_PROMPTS_DIR, which
 #                  gpu_host_sglang.sh sets), 256-token answers; configs DSPINE, DSPINE-copy (the shipped
 #                  drafter with copy candidates), AR and NGRAM; C e.g. 1,16
+#   WORKLOADS      (environment, smollm2-135m) the workloads each server is measured on, in turn
+#                  (default "mix"; e.g. "mix trace:/tmp/agentic/agentic_coding.jsonl" adds the
+#                  coding-agent sessions of `python -m dspine.data.agentic`, 2k-6k-token contexts)
 #
 # For DSPINE (the qwen3-8b preset; triton attention, as FA3 is not in the bundle), AR (plain SGLang,
 # same target and memory flags) and DFLASH, one server at a time: start it with the step profiler on
@@ -44,7 +47,7 @@ case $SHAPE in
     TARGET=$SHAPES/qwen3-8b/target
     COMMON=(--model-path "$TARGET" --load-format dummy --attention-backend triton --mem-fraction-static 0.6
             --max-running-requests 48 --cuda-graph-max-bs-decode 48)
-    WORKLOAD=(--workload "synthetic:$TOKENS" --max-tokens 48) ;;
+    WORKLOADS="synthetic:$TOKENS" WORKLOAD=(--max-tokens 48) ;;
   smollm2-135m)
     TARGET=${SMOLLM2:?no SMOLLM2: stage the bundle built --with-model smollm2}
     [ -f "$TARGET/config.json" ] || { log "no SmolLM2 at $TARGET: stage the bundle built --with-model smollm2"; exit 1; }
@@ -55,7 +58,7 @@ make_variant(Path(sys.argv[1]), Path(sys.argv[2]), {})" \
       "$DRAFT" "$COPY_DRAFT" >> "$OUT/progress.txt" 2>&1 || exit 1
     COMMON=(--model-path "$TARGET" --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.3
             --cuda-graph-max-bs-decode 64)
-    WORKLOAD=(--workload mix --prompts-dir "${DSPINE_PROMPTS_DIR:?DSPINE_PROMPTS_DIR: exported evaluation prompts}" --max-tokens 256
+    WORKLOAD=(--prompts-dir "${DSPINE_PROMPTS_DIR:?DSPINE_PROMPTS_DIR: exported evaluation prompts}" --max-tokens 256
               --repeats 2) ;;
   *) log "unknown SHAPE $SHAPE (qwen3-8b or smollm2-135m)"; exit 2 ;;
 esac
@@ -68,7 +71,7 @@ profile() {  # CONFIG PORT COMMAND...: start, drive, record, stop
   local name=$1 port=$2 pid spid load
   shift 2
   rm -rf "${PROF:?}/$name"
-  DSPINE_STEP_PROFILE=$PROF/$name DSPINE_STEP_PROFILE_PHASES=$LEVELS DSPINE_STEP_PROFILE_WINDOWS=30,630,1230 \
+  DSPINE_STEP_PROFILE=$PROF/$name DSPINE_STEP_PROFILE_PHASES=$PHASES DSPINE_STEP_PROFILE_WINDOWS=30,630,1230 \
     setsid "$@" "${COMMON[@]}" --host 127.0.0.1 --port "$port" > "$LOGS/$name.log" 2>&1 < /dev/null &
   pid=$!
   log "$name started (pid $pid): $*"
@@ -78,9 +81,13 @@ profile() {  # CONFIG PORT COMMAND...: start, drive, record, stop
     sleep 2
   done
   log "$name ready"
-  python3 scripts/bench_round_cost.py --url "$name=http://127.0.0.1:$port" --profile-dir "$name=$PROF/$name" \
-    --shape "$SHAPE" "${WORKLOAD[@]}" --concurrency "$C" --prompts 32 \
-    --profile-timeout 120 --out-dir "$OUT" --results-name rounds > "$LOGS/rounds_$name.txt" 2>&1 &
+  (first=1   # each workload reads its own LEVELS phases of the server's profile
+   for workload in $WORKLOADS; do
+     python3 scripts/bench_round_cost.py --url "$name=http://127.0.0.1:$port" --profile-dir "$name=$PROF/$name" \
+       --shape "$SHAPE" --workload "$workload" "${WORKLOAD[@]}" --concurrency "$C" --prompts 32 \
+       --profile-from-phase "$first" --profile-timeout 120 --out-dir "$OUT" --results-name rounds || exit $?
+     first=$((first + LEVELS))
+   done) > "$LOGS/rounds_$name.txt" 2>&1 &
   load=$!
   spid=$(scheduler_pid "$pid")
   sleep 10   # the 8 prompt-length probes and the first wave's prefill; the phase (steps 30-630) runs ~30 s
@@ -111,7 +118,8 @@ PY
   log "$name stopped"
 }
 
-LEVELS=$(echo "$C" | tr ',' '\n' | wc -l)
+WORKLOADS=${WORKLOADS:-mix}
+LEVELS=$(echo "$C" | tr ',' '\n' | wc -l) PHASES=$(( $(echo "$C" | tr ',' '\n' | wc -l) * $(echo "$WORKLOADS" | wc -w) ))
 log "start: $SHAPE, c=$C$([ "$SHAPE" = qwen3-8b ] && echo ", ~$TOKENS-token prompts")"
 for config in ${CONFIGS:-DSPINE AR}; do
   case $SHAPE:$config in

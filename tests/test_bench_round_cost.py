@@ -35,6 +35,7 @@ class Stub(JsonHandler):
         self.server.kinds.append(kind)
         self.server.temperatures.add(body["temperature"])
         self.server.sent.setdefault(kind, []).append(body["messages"][0]["content"])
+        self.server.tools.append(body.get("tools"))
         verify = VERIFY[self.server.name]
         meta = {"completion_tokens": n, **({"spec_verify_ct": verify} if verify and n > 1 else {})}
         self.server.order.append(self.server.name)
@@ -57,7 +58,7 @@ def servers():
     for name in VERIFY:
         server = start_server(Stub)
         server.name, server.kinds, server.order, server.sent, server.prefills = name, [], order, {}, []
-        server.temperatures = set()
+        server.temperatures, server.tools = set(), []
         live[name] = server
     yield live
     for server in live.values():
@@ -271,6 +272,29 @@ def test_no_server_sees_a_throughput_prompt_twice(servers, tmp_path, prompts_dir
 def test_too_few_prompts_in_one_set_is_named(servers, tmp_path, prompts_dir, capsys):
     assert run(servers, tmp_path, prompts_dir, "--workload", "gsm8k", "--repeats", "3") == 1
     assert "lower --prompts or --repeats" in capsys.readouterr().err
+
+
+def test_a_trace_workload_sends_its_multi_turn_requests_with_their_tools(servers, tmp_path, prompts_dir, capsys):
+    tool = {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}
+    trace = tmp_path / "agentic_coding.jsonl"
+    trace.write_text("".join(json.dumps({"messages": [
+        {"role": "system", "content": f"s-{i}"}, {"role": "user", "content": "fix it"},
+        {"role": "assistant", "content": "reading"}, {"role": "user", "content": f"file {i}"}],
+        "tools": [tool]}) + "\n" for i in range(96)))
+    for name in VERIFY:
+        write_phases(tmp_path / "prof" / name, 2.0, {"run_batch": 1.0})
+    assert run(servers, tmp_path, prompts_dir, "--workload", f"trace:{trace}") == 0
+    results = json.loads((tmp_path / "out" / "round_cost_h200.json").read_text())
+    assert {r["workload"] for r in results["runs"]} == {"agentic_coding"}
+    ar = servers["AR"]
+    assert all(text.startswith("s-") for text in ar.sent["throughput"] + ar.sent["profile"])   # the traces'
+    assert ar.tools and all(t == [tool] for t in ar.tools)
+    assert len(set(ar.sent["throughput"])) == len(ar.sent["throughput"]) == 2 * 16
+    assert run(servers, tmp_path, prompts_dir, "--workload", f"trace:{trace}", "--repeats", "2") == 1
+    assert "agentic_coding has 96 prompts" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--url", "AR=http://127.0.0.1:1", "--shape", "x", "--workload", f"trace:{tmp_path / 'none.jsonl'}"])
+    assert "no such trace file" in capsys.readouterr().err
 
 
 def test_report_only_reprints_and_redraws_from_the_file(servers, tmp_path, prompts_dir, capsys):

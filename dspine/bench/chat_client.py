@@ -55,6 +55,21 @@ def load_prompt_mix(n: int, prompts_dir: Path | None = None, skip: int = 0) -> l
     return mixed[:n]
 
 
+def load_trace_prompts(path: Path, n: int, skip: int = 0) -> list[dict]:
+    """Requests `skip` .. `skip + n - 1` of a trace file (every split, file order;
+    `dspine.data.traces`): dicts `{"id", "source", "messages", "tools"}`, multi-turn and as long as
+    the traces' contexts (`python -m dspine.data.agentic` writes coding-agent sessions and long
+    threads of 2k-6k tokens). Raises BenchError naming the file when it is missing or invalid."""
+    from dspine.data.traces import TraceError, load_traces
+
+    try:
+        requests = load_traces([path])
+    except TraceError as exc:
+        raise BenchError(f"trace workload {path}: {exc}") from None
+    return [{"id": r.source, "source": Path(path).stem, "messages": list(r.messages), "tools": list(r.tools)}
+            for r in requests[skip: skip + n]]
+
+
 def chat_body(prompt: dict, model: str, max_tokens: int, **extra) -> dict:
     """Greedy chat request for `prompt` (its `messages`, and its `tools` when it has any):
     temperature 0, fixed max_tokens, EOS honoured."""

@@ -10,7 +10,9 @@ started with `DSPINE_STEP_PROFILE=DIR` (`--profile-dir NAME=DIR`, same machine) 
    scheduler's methods per step (`ms_per_step_in`, summed; each method's share is kept in the row)
    less its wait for the device (`wait_ms_per_step`: a step with a long wait is device-bound).
 2. Throughput: `--prompts` greedy chat requests (`--workload`: an evaluation set, the five-set mix,
-   or `synthetic:N`, prompts of about N tokens of plain prose for context-length sweeps) at c in flight, non-streamed with meta_info: `output_tok_per_s` (completion tokens / wall
+   `synthetic:N`, prompts of about N tokens of plain prose for context-length sweeps, or
+   `trace:FILE`, the multi-turn requests of a trace file, e.g. coding-agent sessions with 2k-6k-token
+   contexts; rows name it by the file's stem) at c in flight, non-streamed with meta_info: `output_tok_per_s` (completion tokens / wall
    time) and `accept_len` (completion tokens / verify steps; 1.0 for AR). With `--repeats R` the
    levels run R times, the configs interleaved within each repeat (AR, DSPINE, ... , AR, DSPINE,
    ...) so drift on the host is shared; `output_tok_per_s` is the mean and
@@ -56,7 +58,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from dspine.bench.chat_client import chat_body, load_prompt_mix, load_set_prompts, parity_pass, run_level
+from dspine.bench.chat_client import (chat_body, load_prompt_mix, load_set_prompts, load_trace_prompts, parity_pass,
+                                      run_level)
 from dspine.bench.launchers import detect_device
 from dspine.bench.launchers import parse_urls
 from dspine.bench.parity import parity_summary, prefill_check
@@ -145,7 +148,7 @@ def profile_config(name: str, base: str, profile_dir: Path | None, args, bodies:
     pool's requests per temperature."""
     first = bodies[args.temperature[0]]
     tokens = prompt_tokens(base, first[: min(8, len(first))], args.request_timeout)
-    runs = [{"config": name, "shape": args.shape, "workload": args.workload, "concurrency": c,
+    runs = [{"config": name, "shape": args.shape, "workload": args.workload_name, "concurrency": c,
              "temperature": t, "prompt_tokens": tokens} for t in args.temperature for c in args.concurrency]
     if profile_dir is not None:
         for level, row in enumerate(runs, args.profile_from_phase):
@@ -331,8 +334,9 @@ def parse_args(argv):
                    help="that server's DSPINE_STEP_PROFILE folder (without it: no ms_per_step / host time)")
     p.add_argument("--shape", help="label of the target's shape, e.g. smollm2-135m or qwen3-8b (required to measure)")
     p.add_argument("--workload", default="mix",
-                   help="an evaluation set (%s), mix (default: the five), or synthetic:N (prompts of ~N tokens)"
-                        % ", ".join(EVAL_SETS))
+                   help="an evaluation set (%s), mix (default: the five), synthetic:N (prompts of ~N tokens), "
+                        "or trace:FILE (a trace file's multi-turn requests, e.g. python -m dspine.data.agentic's "
+                        "agentic_coding.jsonl; rows name the workload by the file's stem)" % ", ".join(EVAL_SETS))
     p.add_argument("--prompts-dir", type=Path, default=None, help="exported evaluation prompts (eval-<set>.jsonl)")
     p.add_argument("--prompts", type=int, default=32, help="requests per throughput level (at least c)")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
@@ -373,8 +377,13 @@ def parse_args(argv):
         p.error("--repeats must be >= 1")
     if args.parity and not {"AR", "DSPINE"} <= set(args.urls) | set(args.parity_urls):
         p.error("--parity compares AR with DSPINE: give --url AR=... and --url DSPINE=...")
-    if args.workload != "mix" and args.workload not in EVAL_SETS and not synthetic:
-        p.error(f"--workload {args.workload}: one of {', '.join(EVAL_SETS)}, mix or synthetic:N (N tokens)")
+    args.trace = Path(args.workload.split(":", 1)[1]) if args.workload.startswith("trace:") else None
+    if args.trace is not None and not args.trace.is_file():
+        p.error(f"--workload {args.workload}: no such trace file (python -m dspine.data.agentic DIR writes "
+                "agentic_coding.jsonl and agentic_sharegpt.jsonl)")
+    if args.workload != "mix" and args.workload not in EVAL_SETS and not synthetic and args.trace is None:
+        p.error(f"--workload {args.workload}: one of {', '.join(EVAL_SETS)}, mix, synthetic:N (N tokens) or trace:FILE")
+    args.workload_name = args.trace.stem if args.trace is not None else args.workload
     return args
 
 
@@ -395,9 +404,14 @@ def main(argv: list[str] | None = None) -> int:
     elif args.workload == "mix":
         prompts = load_prompt_mix(n, args.prompts_dir, args.skip_prompts)
     else:
-        prompts = load_set_prompts(args.workload, n, args.prompts_dir, args.skip_prompts)
+        try:
+            prompts = (load_trace_prompts(args.trace, n, args.skip_prompts) if args.trace is not None
+                       else load_set_prompts(args.workload, n, args.prompts_dir, args.skip_prompts))
+        except BenchError as exc:
+            print(f"round cost: {exc}", file=sys.stderr)
+            return 1
         if len(prompts) < n:
-            print(f"round cost: {args.workload} has {len(prompts)} prompts after skipping {args.skip_prompts}, "
+            print(f"round cost: {args.workload_name} has {len(prompts)} prompts after skipping {args.skip_prompts}, "
                   f"{n} wanted (levels x temperatures x repeats x --prompts + {PROFILE_POOL}); lower --prompts or --repeats",
                   file=sys.stderr)
             return 1
