@@ -12,8 +12,9 @@ started with `DSPINE_STEP_PROFILE=DIR` (`--profile-dir NAME=DIR`, same machine) 
 2. Throughput: `--prompts` greedy chat requests (`--workload`: an evaluation set, the five-set mix,
    `synthetic:N`, prompts of about N tokens of plain prose for context-length sweeps, or
    `trace:FILE`, the multi-turn requests of a trace file, e.g. coding-agent sessions with 2k-6k-token
-   contexts; rows name it by the file's stem) at c in flight, non-streamed with meta_info: `output_tok_per_s` (completion tokens / wall
-   time) and `accept_len` (completion tokens / verify steps; 1.0 for AR). With `--repeats R` the
+   contexts; rows name it by the file's stem) at c in flight, non-streamed with meta_info:
+   `output_tok_per_s` (completion tokens / wall time) and `accept_len` (completion tokens / verify
+   steps; 1.0 for AR). With `--repeats R` the
    levels run R times, the configs interleaved within each repeat (AR, DSPINE, ... , AR, DSPINE,
    ...) so drift on the host is shared; `output_tok_per_s` is the mean and
    `output_tok_per_s_repeats` keeps each repeat.
@@ -411,8 +412,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round cost: {exc}", file=sys.stderr)
             return 1
         if len(prompts) < n:
-            print(f"round cost: {args.workload_name} has {len(prompts)} prompts after skipping {args.skip_prompts}, "
-                  f"{n} wanted (levels x temperatures x repeats x --prompts + {PROFILE_POOL}); lower --prompts or --repeats",
+            print(f"round cost: {args.workload_name} has {len(prompts)} prompts after skipping "
+                  f"{args.skip_prompts}, {n} wanted (levels x temperatures x repeats x --prompts + "
+                  f"{PROFILE_POOL}); lower --prompts or --repeats",
                   file=sys.stderr)
             return 1
     bodies = {t: [chat_body(p, args.served_model, args.max_tokens, temperature=t) for p in prompts]

@@ -17,7 +17,7 @@ from torch import Tensor
 from dspine.model.copy_candidates import CopyTables, TokenHistory, copy_candidates
 from dspine.model.drafter import DSpineDrafter
 from dspine.engine.slots import compact_order, gather_slots
-from dspine.model.selection import select_tokens
+from dspine.model.selection import CopyCandidates, select_tokens
 from dspine.model.transition import SuccessorTable
 
 
@@ -110,7 +110,9 @@ class DSpineProposer:
         self.kv = [(gather_slots(k, index, 2), gather_slots(v, index, 2)) for k, v in self.kv]
 
     @torch.no_grad()
-    def propose(self, anchor_ids: Tensor, temperature: Tensor, generator: torch.Generator | None) -> Proposal:
+    def draft(self, anchor_ids: Tensor) -> tuple[Tensor, Tensor, CopyCandidates | None]:
+        """One draft forward after anchor_ids [bs]: (hidden [bs, B, H], logits [bs, N, V], the copy
+        chains of the rows' histories, None without copy candidates)."""
         cfg, model = self.config, self.model
         bs, blk = anchor_ids.shape[0], cfg.block_size
         positions = self.lengths[:, None] + torch.arange(blk, device=anchor_ids.device)[None]
@@ -122,6 +124,12 @@ class DSpineProposer:
         if self.history is not None:
             history, lengths = self.history.with_anchor(anchor_ids)
             copies = copy_candidates(history, lengths, cfg, self.copy_tables, blk - 1, logits[:, 0].argmax(-1))
+        return hidden, logits, copies
+
+    @torch.no_grad()
+    def propose(self, anchor_ids: Tensor, temperature: Tensor, generator: torch.Generator | None) -> Proposal:
+        cfg, model = self.config, self.model
+        hidden, logits, copies = self.draft(anchor_ids)
         sel = select_tokens(logits, anchor_ids, temperature, mode=cfg.selection, top_k=cfg.selection_top_k,
                             lam=cfg.transition_lambda, scorer=model.transition, table=model.transfer_table(),
                             successors=self.successors, generator=generator, copies=copies)
