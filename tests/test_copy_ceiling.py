@@ -19,9 +19,12 @@ def test_each_kind_of_a_hand_made_round():
               Round(prompt=0, anchor=2, anchor_pos=10, proposed=[3, 4, 4], chains=[], argmax=[3, 4, 4])]   # cut
     out = measure_rounds(rounds, [seq], cfg)
     assert (out.rounds, out.complete) == (2, 1)
-    # truth 7 8 1; the walk copies 7 after "5 6", 8 after "5 6 7", then 9 where 1 follows
+    # truth 7 8 1; the walk copies 7 after "5 6", 8 after "5 6 7", then 9 where 1 follows; the union
+    # takes the argmax's 1 there
     assert out.tau() == {"lattice": 2, "argmax": 4, "chain_0": 3, "chain_1": 1, "tree_chains": 3,
-                         "copy_walk": 3, "tree_walk": 3}
+                         "copy_walk": 3, "tree_walk": 3, "union": 4}
+    neither = Round(prompt=0, anchor=6, anchor_pos=6, proposed=[0, 0, 0], chains=[], argmax=[3, 3, 3])
+    assert measure_rounds([neither], [seq], cfg).tau()["union"] == 3     # slot 2: neither the walk nor the argmax
     with pytest.raises(ValueError, match="anchors on 6"):
         measure_rounds([Round(0, 6, 5, [7], [], [7])], [seq], cfg)
 
@@ -54,4 +57,5 @@ def test_a_copying_workload_through_batches_and_finished_rows():
     tau = res["ceiling"]
     assert tau["tree_chains"] >= max(tau["lattice"], tau["chain_0"], tau["chain_1"])
     assert tau["tree_walk"] >= max(tau["lattice"], tau["copy_walk"]) and tau["copy_walk"] > 2.0
+    assert tau["union"] >= max(tau["copy_walk"], tau["argmax"])
     assert all(1.0 <= v <= 6.0 for v in tau.values())

@@ -14,12 +14,15 @@ rounds whose whole continuation is known):
 - `copy_walk`: a lookup that matches again after every true token (the copy settings' longest
   most recent match, its first token): the most a suffix-match copy gives alone;
 - `tree_chains`: the longest of the lattice's block and the chains, as if verified together;
-  `tree_walk`: the longer of the lattice's block and the copy walk.
+  `tree_walk`: the longer of the lattice's block and the copy walk;
+- `union`: one chain taking at every slot whichever of the copy walk's token and the drafter's
+  argmax is right (a lattice that always chooses right between those two sources).
 
 These are counterfactuals of single rounds: an alternative is judged on the continuation of the
-round it replaces, not on the rounds it would have led to. `copy_walk` and `tree_walk` bound what
-copying from the request's own context can add to this drafter on this workload: a ratio to the
-no-copy tau that even `tree_walk` misses is out of reach of copy candidates, however scored.
+round it replaces, not on the rounds it would have led to. `union` bounds what one proposed chain
+mixing this drafter's tokens with copies from the request's own context can reach on this
+workload, and `tree_walk` what verifying a copy branch beside the block could: a ratio to the
+no-copy tau that both miss is out of reach of copy candidates, however scored.
 Prints a table and writes `--out` JSON: `{"target", "drafter", "device", "date", "command", "torch",
 "max_new_tokens", "workloads": {name: {"prompts", "rounds", "complete_rounds", "tau_nocopy",
 "tau_copy", "parity", "ceiling": {kind: tau}}}}`.
@@ -102,17 +105,21 @@ def agreement(tokens: list[int], truth: list[int]) -> int:
     return n
 
 
-def copy_walk(sequence: list[int], anchor_pos: int, truth: list[int], cfg) -> int:
-    """Accepted length of a lookup that, at each slot j, proposes the first copy token of the
-    history sequence[:anchor_pos + 1] + truth[:j] (`find_copies` with `cfg`'s copy settings)."""
-    n = 0
+def copy_walk(sequence: list[int], anchor_pos: int, truth: list[int], argmax: list[int], cfg) -> tuple[int, int]:
+    """Accepted lengths of (the walk, the union) at one round. The walk proposes at each slot j the
+    first copy token of the history sequence[:anchor_pos + 1] + truth[:j] (`find_copies` with
+    `cfg`'s copy settings); the union takes slot j when the walk's token or the drafter's argmax[j]
+    is right: the most a single chain drawing every slot from those two could accept."""
+    walk = union = 0
     for j, token in enumerate(truth):
         history = torch.tensor([sequence[:anchor_pos + 1] + truth[:j]])
         ids, _ = find_copies(history, torch.tensor([history.shape[1]]), cfg, 1)
-        if int(ids[0, 0]) != token:
+        copied = int(ids[0, 0]) == token
+        walk += int(copied and walk == j)
+        if not (copied or argmax[j] == token):
             break
-        n += 1
-    return n
+        union += 1
+    return walk, union
 
 
 @dataclass
@@ -154,9 +161,10 @@ def measure_rounds(rounds: list[Round], sequences: list[list[int]], cfg, walk: b
             out.add(f"chain_{c}", accepted)
         out.add("tree_chains", max([lattice] + chains))
         if walk:
-            walked = copy_walk(sequences[r.prompt], r.anchor_pos, truth, cfg)
+            walked, union = copy_walk(sequences[r.prompt], r.anchor_pos, truth, r.argmax, cfg)
             out.add("copy_walk", walked)
             out.add("tree_walk", max(lattice, walked))
+            out.add("union", union)
     return out
 
 
