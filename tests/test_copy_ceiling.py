@@ -1,6 +1,7 @@
-"""dspine/bench/copy_ceiling.py: each ceiling kind of a hand-made round, rounds cut by the answer's
-end left out, and on a target whose answers copy their context: rows followed through batches and
-finished rows, greedy parity, and every tree at least as long as its members."""
+"""dspine/bench/copy_ceiling.py: each kind of a hand-made round, rounds cut by the answer's end left
+out, kinds weighed by the rounds they would take, and on a target whose answers copy their context:
+rows followed through batches and finished rows, greedy parity, and every tree at least as long as
+its members."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from conftest import drafter_for, tiny_llama
 
-from dspine.bench.copy_ceiling import Round, measure_rounds, measure_workload
+from dspine.bench.copy_ceiling import Ceiling, Round, measure_rounds, measure_workload
 
 
 def test_each_kind_of_a_hand_made_round():
@@ -18,7 +19,7 @@ def test_each_kind_of_a_hand_made_round():
                     argmax=[7, 8, 1]),
               Round(prompt=0, anchor=2, anchor_pos=10, proposed=[3, 4, 4], chains=[], argmax=[3, 4, 4])]   # cut
     out = measure_rounds(rounds, [seq], cfg)
-    assert (out.rounds, out.complete) == (2, 1)
+    assert (out.recorded, out.complete) == (2, 1)
     # truth 7 8 1; the walk copies 7 after "5 6", 8 after "5 6 7", then 9 where 1 follows; the union
     # takes the argmax's 1 there
     assert out.tau() == {"lattice": 2, "argmax": 4, "chain_0": 3, "chain_1": 1, "tree_chains": 3,
@@ -27,6 +28,17 @@ def test_each_kind_of_a_hand_made_round():
     assert measure_rounds([neither], [seq], cfg).tau()["union"] == 3     # slot 2: neither the walk nor the argmax
     with pytest.raises(ValueError, match="anchors on 6"):
         measure_rounds([Round(0, 6, 5, [7], [], [7])], [seq], cfg)
+
+
+def test_a_kind_is_weighed_by_the_rounds_it_would_take():
+    """A kind twice as long where the lattice covered 4 tokens a round and no better where it covered
+    1: its trajectory takes 0.5 + 1 rounds for those 5 tokens (tau 3.33), not the rounds' mean 4.5."""
+    out = Ceiling()
+    out.add_round(4, {"lattice": 3, "walk": 7})
+    out.add_round(1, {"lattice": 0, "walk": 0})
+    tau = out.tau()
+    assert tau["lattice"] == pytest.approx(2.5) and tau["walk"] == pytest.approx(5 / 1.5)
+    assert (out.complete, out.tokens) == (2, 5)
 
 
 def bigram_target():

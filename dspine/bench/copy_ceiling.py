@@ -6,23 +6,26 @@ Runs the drafter (default: the shipped one) twice over each workload's prompts: 
 candidates on, recording every round (the block the lattice proposed, each copy chain, the
 drafter's per-slot argmax), and with them off, for its tau. Greedy speculative decoding returns the
 target's own answer, so afterwards each round's true continuation is known and any proposal's
-accepted length in that round is its agreement with it. Per round (accepted + 1, averaged over the
-rounds whose whole continuation is known):
+accepted length a_r in that round is its agreement with it. Kinds (over the rounds whose whole
+continuation is known):
 
-- `lattice`: what was proposed (the run's own tau on those rounds);
+- `lattice`: what was proposed;
 - `chain_<c>`: copy chain c alone; `argmax`: the drafter's per-slot argmax alone;
 - `copy_walk`: a lookup that matches again after every true token (the copy settings' longest
-  most recent match, its first token): the most a suffix-match copy gives alone;
+  most recent match, its first token);
 - `tree_chains`: the longest of the lattice's block and the chains, as if verified together;
   `tree_walk`: the longer of the lattice's block and the copy walk;
 - `union`: one chain taking at every slot whichever of the copy walk's token and the drafter's
   argmax is right (a lattice that always chooses right between those two sources).
 
-These are counterfactuals of single rounds: an alternative is judged on the continuation of the
-round it replaces, not on the rounds it would have led to. `union` bounds what one proposed chain
-mixing this drafter's tokens with copies from the request's own context can reach on this
-workload, and `tree_walk` what verifying a copy branch beside the block could: a ratio to the
-no-copy tau that both miss is out of reach of copy candidates, however scored.
+A kind's tau is estimated on the trajectory it would take, not per recorded round: round r of the
+run covered c_r = a_lattice_r + 1 tokens, which the kind would cover in about c_r / (a_r + 1) of its
+own rounds, so tau = sum(c_r) / sum(c_r / (a_r + 1)) (the lattice's own tau for `lattice`). A plain
+mean of a_r + 1 over the recorded rounds would overweight gains where the lattice is already fast
+(few rounds there; `benchmarks/results/copy_walk_cpu.json` sets both estimates beside a real run).
+Single-round counterfactuals still: the kinds are judged at the lattice's anchors. `union` and `tree_walk` indicate what one proposed chain mixing this drafter
+with copies from the request's own context, or a copy branch verified beside the block, could reach
+on this workload.
 Prints a table and writes `--out` JSON: `{"target", "drafter", "device", "date", "command", "torch",
 "max_new_tokens", "workloads": {name: {"prompts", "rounds", "complete_rounds", "tau_nocopy",
 "tau_copy", "parity", "ceiling": {kind: tau}}}}`.
@@ -124,47 +127,48 @@ def copy_walk(sequence: list[int], anchor_pos: int, truth: list[int], argmax: li
 
 @dataclass
 class Ceiling:
-    """Per-kind sums of (accepted + 1) over complete rounds; `tau()` their means."""
+    """Per-kind trajectory estimates (module docstring): `tokens` = sum of c_r over complete rounds,
+    `rounds[kind]` = sum of c_r / (a_r + 1); `tau()` = tokens / rounds per kind."""
 
-    rounds: int = 0
+    recorded: int = 0
     complete: int = 0
-    sums: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0
+    rounds: dict[str, float] = field(default_factory=dict)
 
-    def add(self, kind: str, accepted: int) -> None:
-        self.sums[kind] = self.sums.get(kind, 0) + accepted + 1
+    def add_round(self, covered: int, accepted: dict[str, int]) -> None:
+        """One complete round that covered `covered` tokens; accepted: kind -> a_r."""
+        self.complete += 1
+        self.tokens += covered
+        for kind, a in accepted.items():
+            self.rounds[kind] = self.rounds.get(kind, 0.0) + covered / (a + 1)
 
     def tau(self) -> dict[str, float]:
-        return {k: v / self.complete for k, v in self.sums.items()} if self.complete else {}
+        return {k: self.tokens / v for k, v in self.rounds.items()}
 
 
 def measure_rounds(rounds: list[Round], sequences: list[list[int]], cfg, walk: bool = True) -> Ceiling:
     """The ceiling kinds (module docstring) of recorded `rounds` against the final prompt + answer
     `sequences` (indexed by prompt); rounds whose continuation is cut by the answer's end count in
-    `rounds` only. `walk`: also the copy walk (a suffix match per slot: the slow part). Raises
+    `recorded` only. `walk`: also the copy walk (a suffix match per slot: the slow part). Raises
     ValueError when a round's anchor is not its sequence's token there (rows mixed up)."""
     out = Ceiling()
     for r in rounds:
         if sequences[r.prompt][r.anchor_pos] != r.anchor:
             raise ValueError(f"a round of prompt {r.prompt} anchors on {r.anchor} at {r.anchor_pos}, where its "
                              f"sequence holds {sequences[r.prompt][r.anchor_pos]}")
-        out.rounds += 1
+        out.recorded += 1
         n = len(r.proposed)
         truth = sequences[r.prompt][r.anchor_pos + 1: r.anchor_pos + 1 + n]
         if len(truth) < n:
             continue
-        out.complete += 1
         lattice = agreement(r.proposed, truth)
         chains = [agreement(c, truth) for c in r.chains]
-        out.add("lattice", lattice)
-        out.add("argmax", agreement(r.argmax, truth))
-        for c, accepted in enumerate(chains):
-            out.add(f"chain_{c}", accepted)
-        out.add("tree_chains", max([lattice] + chains))
+        accepted = {"lattice": lattice, "argmax": agreement(r.argmax, truth),
+                    **{f"chain_{c}": a for c, a in enumerate(chains)}, "tree_chains": max([lattice] + chains)}
         if walk:
             walked, union = copy_walk(sequences[r.prompt], r.anchor_pos, truth, r.argmax, cfg)
-            out.add("copy_walk", walked)
-            out.add("tree_walk", max(lattice, walked))
-            out.add("union", union)
+            accepted.update(copy_walk=walked, tree_walk=max(lattice, walked), union=union)
+        out.add_round(lattice + 1, accepted)
     return out
 
 
@@ -184,7 +188,7 @@ def measure_workload(target, drafter: DSpineDrafter, prompts: list[list[int]], *
         drafter.config.copy_candidates = False
     sequences = [p + a for p, a in zip(prompts, on.tokens)]
     ceiling = measure_rounds(proposer.rounds, sequences, drafter.config, walk)
-    return {"prompts": len(prompts), "rounds": ceiling.rounds, "complete_rounds": ceiling.complete,
+    return {"prompts": len(prompts), "rounds": ceiling.recorded, "complete_rounds": ceiling.complete,
             "tau_nocopy": off.stats.tau, "tau_copy": on.stats.tau,
             "parity": sum(a == b for a, b in zip(off.tokens, on.tokens)),
             "ceiling": ceiling.tau()}
@@ -196,7 +200,8 @@ def table(workloads: dict) -> str:
     for name, w in workloads.items():
         lines.append(f"{name:<18}{w['tau_nocopy']:>9.3f}{w['tau_copy']:>8.3f}"
                      + "".join(f"{w['ceiling'].get(k, float('nan')):>13.3f}" for k in kinds))
-    lines.append("(tau: accepted + 1 per round; the ceiling columns over rounds whose whole continuation is known)")
+    lines.append("(tau: tokens per round; the kinds estimated on their own trajectories from the rounds whose whole "
+                 "continuation is known)")
     return "\n".join(lines)
 
 
