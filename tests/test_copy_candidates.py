@@ -18,7 +18,7 @@ from dspine.model.checkpoint import read_config, save_checkpoint
 from dspine.model.config import ConfigError, DSpineConfig
 from dspine.model.copy_candidates import (REMATCH_OFF_ENTRY_LOG_ODDS, CopyCounts, CopyTables, TokenHistory,
                                           constant_copy_scores, copy_candidates, count_copy_outcomes, find_copies,
-                                          fit_copy_tables, recorded_histories, walk_copies)
+                                          fit_copy_tables, recorded_histories)
 from dspine.model.selection import (CopyCandidates, candidate_topk, copy_scores, pair_scores, select_tokens,
                                     walk_path)
 from dspine.model.transition import TransitionScorer
@@ -134,28 +134,6 @@ def test_the_rematched_chain_copies_after_the_drafters_first_token():
         assert copies.reenter[b, 1, 2:].tolist() == pytest.approx([reenter[col(i - 1)] for i in range(2, n)])
         assert float(copies.reenter[b, 1, 1]) == REMATCH_OFF_ENTRY_LOG_ODDS
     assert int((copies.ids[:, 1, 1:] >= 0).sum()) > 0 and int((copies.ids[:, 1, 1:] < 0).sum()) > 0
-
-
-def test_the_walk_copies_after_every_slot_it_has_walked():
-    """Slot j: the first copy token after history + walked slots 0..j-1 (brute force), else the
-    lattice's token; with tokens the walk never copies, the lattice's block unchanged."""
-    cfg = DSpineConfig(**BASE, copy_min_match=2)
-    g = torch.Generator().manual_seed(7)
-    history = torch.randint(0, 4, (8, 30), generator=g)
-    lengths = torch.tensor([30, 25, 9, 3, 30, 14, 2, 20])
-    tokens = torch.randint(10, 14, (8, 6), generator=g)           # ids the history never holds
-    walked = walk_copies(history, lengths, tokens, cfg)
-    copied = kept = 0
-    for b in range(8):
-        seq, want = history[b, : int(lengths[b])].tolist(), []
-        for j in range(6):
-            ids, _ = brute_suffix_match(seq + want, 1, 2, 32, 1, 8192)
-            want.append(ids[0] if ids[0] >= 0 else int(tokens[b, j]))
-            copied, kept = copied + (ids[0] >= 0), kept + (ids[0] < 0)
-        assert walked[b].tolist() == want
-    assert copied > 0 and kept > 0
-    lone = torch.tensor([[5, 6, 7, 8]])                              # no repeat: nothing to copy
-    assert torch.equal(walk_copies(lone, torch.tensor([4]), tokens[:1], cfg), tokens[:1])
 
 
 def test_triton_find_copies_equals_the_torch_path():
@@ -423,28 +401,6 @@ def test_greedy_parity_with_copies_on_repeating_prompts(llama_target, monkeypatc
     assert _copies_chosen(calls, drafter.config.selection_top_k) > 0, "no copy token was ever proposed"
 
 
-@pytest.mark.parametrize("batch_size", [1, 3])
-def test_greedy_parity_with_the_copy_walk(llama_target, monkeypatch, batch_size):
-    """Token-identical to plain decoding; the walk changes greedy proposals and never a sampled row's."""
-    prompts = [p + p + p[:2] for p in fixed_prompts(6, llama_target.config.vocab_size)]
-    plain = generate(llama_target, None, prompts, max_new_tokens=20, stop_token_ids=[]).tokens
-    changed = []
-
-    def spy(history, lengths, tokens, cfg):
-        walked = walk_copies(history, lengths, tokens, cfg)
-        changed.append(int((walked != tokens).sum()))
-        return walked
-
-    monkeypatch.setattr(proposer_module, "walk_copies", spy)
-    drafter = drafter_for(llama_target, copy_candidates=True, copy_walk=True)
-    assert generate(llama_target, drafter, prompts, max_new_tokens=20, stop_token_ids=[],
-                    batch_size=batch_size).tokens == plain
-    assert sum(changed) > 0
-    changed.clear()
-    generate(llama_target, drafter, prompts, max_new_tokens=6, stop_token_ids=[], temperature=0.8, seed=1)
-    assert not changed
-
-
 def bigram_target():
     """A Llama whose attention outputs are zeroed: the next token depends on the current one only,
     so a greedy answer repeats whatever followed the same token before (an oracle for copying)."""
@@ -470,9 +426,6 @@ def test_copies_raise_tau_where_the_answer_copies_its_context(monkeypatch):
     assert on.tokens == plain and off.tokens == plain
     assert on.stats.tau > 4.0 and on.stats.tau > 2 * off.stats.tau, (on.stats.tau, off.stats.tau)
     assert _copies_chosen(calls, 4) > 0
-    walk = generate(target, drafter_for(target, block_size=8, copy_candidates=True, copy_walk=True), prompts,
-                    max_new_tokens=20, stop_token_ids=[])
-    assert walk.tokens == plain and walk.stats.tau >= on.stats.tau
 
 
 @pytest.mark.parametrize("mode", ["mixture", "logit"])

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from dspine.model.copy_candidates import CopyTables, TokenHistory, copy_candidates, walk_copies
+from dspine.model.copy_candidates import CopyTables, TokenHistory, copy_candidates
 from dspine.model.drafter import DSpineDrafter
 from dspine.engine.slots import compact_order, gather_slots
 from dspine.model.selection import CopyCandidates, select_tokens
@@ -133,11 +133,6 @@ class DSpineProposer:
         sel = select_tokens(logits, anchor_ids, temperature, mode=cfg.selection, top_k=cfg.selection_top_k,
                             lam=cfg.transition_lambda, scorer=model.transition, table=model.transfer_table(),
                             successors=self.successors, generator=generator, copies=copies)
-        tokens, greedy = sel.tokens, temperature <= 0
-        if copies is not None and cfg.copy_walk and bool(greedy.any()):
-            # greedy rows verify against the target's argmax, whatever q says: the walk keeps them exact
-            walked = walk_copies(*self.history.with_anchor(anchor_ids), tokens, cfg)
-            tokens = torch.where(greedy[:, None], walked, tokens)
         conf = model.confidence_logits(hidden[:, 1:])
-        return Proposal(tokens=tokens, cand_ids=sel.cand_ids, q=sel.q,
+        return Proposal(tokens=sel.tokens, cand_ids=sel.cand_ids, q=sel.q,
                         confidence=None if conf is None else torch.sigmoid(conf.float()))

@@ -118,12 +118,8 @@ class DSpineConfig:
     # copy_history_window tokens) joins each slot's candidates, for up to copy_max_span slots (None:
     # every proposal slot). Off until measured on the serving workloads. copy_rematch adds a second
     # chain, matched again after the drafter's first-slot choice (`copy_candidates.copy_candidates`).
-    # copy_walk (greedy rows, reference engine): after the lattice, each slot in turn takes the copy
-    # of the longest match of the history plus the block's tokens before it, where one exists
-    # (`copy_candidates.walk_copies`).
     copy_candidates: bool = False
     copy_rematch: bool = True
-    copy_walk: bool = False
     copy_min_match: int = 2
     copy_max_match: int = 32
     copy_max_span: int | None = None

@@ -7,9 +7,7 @@ suffix (`kernels.suffix_match`, `find_copies`); the tokens after that occurrence
 s_i of proposal slots i = 0, 1, ... (chain 0). With `copy_rematch` a second chain is matched again
 after the drafter's own first-slot choice, for the later slots (`copy_candidates`): where the
 history has no match, or chain 0 is wrong from the first token, a right first token often starts a
-copy. `selection.copy_lattice` adds each chain's s_i to slot i's candidates. With `copy_walk`,
-greedy rows then walk the lattice's block slot by slot, each slot copying after the block's
-tokens before it where the history has a match (`walk_copies`).
+copy. `selection.copy_lattice` adds each chain's s_i to slot i's candidates.
 
 Scores: rho(m, i), the log-odds that s_i is the target's next token, by match length m (bucketed;
 `copy_match_buckets` are the buckets' lower edges) and slot i (the last column serves every later
@@ -164,21 +162,6 @@ def copy_candidates(history: Tensor, lengths: Tensor, cfg: DSpineConfig, tables:
                        torch.cat([torch.zeros_like(after[:, :1], dtype=torch.bool), after >= 0], 1)))
     ids, follow, reenter, scored = (torch.stack(parts, 1) for parts in zip(*chains))
     return CopyCandidates(ids=ids, follow=follow, reenter=reenter, scored=scored, mode=cfg.copy_score)
-
-
-def walk_copies(history: Tensor, lengths: Tensor, tokens: Tensor, cfg: DSpineConfig) -> Tensor:
-    """The copy walk of `copy_walk`: history [bs, W] right-padded (ending with the anchor), lengths
-    [bs], the lattice's block tokens [bs, N] -> the walked block [bs, N]: slot j takes the first
-    copy token of `find_copies` on the history followed by the walked slots 0..j-1, where there is a
-    match (>= copy_min_match tokens), else keeps tokens[:, j]. Each slot thus matches again after
-    whatever came before it, a copy or the drafter's token: a copy span can start at any slot."""
-    out = tokens.clone()
-    grown, grown_lengths = history, lengths
-    for j in range(tokens.shape[1]):
-        ids, _ = find_copies(grown, grown_lengths, cfg, 1)
-        out[:, j] = torch.where(ids[:, 0] >= 0, ids[:, 0], out[:, j])
-        grown, grown_lengths = extend_history(grown, grown_lengths, out[:, j])
-    return out
 
 
 def constant_copy_scores(follow: float, reenter: float, mode: str = "logit") -> dict:

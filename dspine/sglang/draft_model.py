@@ -364,9 +364,6 @@ class DSpineDraftModel(_DFlashDraftModel):
             raise NotImplementedError("DSpine copy candidates run at tensor parallel size 1; serve with --tp 1 or a "
                                       "drafter config with copy_candidates false")
         cfg = self.dspine_config
-        if cfg.copy_walk:
-            raise NotImplementedError("dspine_config.copy_walk runs in the reference engine only (dspine generate, "
-                                      "bench-accept); serve with copy_walk false in the drafter's config.json")
         device = self.target_head.weight.device
         width = cfg.selection_top_k + cfg.copy_chains
         pair = (torch.zeros(history.rows.shape[0], self.block_size - 1, width, width, dtype=torch.float32, device=device)

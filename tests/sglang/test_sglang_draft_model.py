@@ -626,17 +626,6 @@ def test_copy_candidates_in_the_sampler_equal_select_tokens_with_copies(attached
                                                   torch.zeros(3)).tokens), "copies should change some choice"
 
 
-def test_the_copy_walk_is_refused_where_it_is_not_built(attached, monkeypatch):
-    """`copy_walk` runs in the reference engine only: serving it stops at start-up, naming the fix."""
-    from dspine.sglang.token_history import SlotTokenHistory
-
-    model, _ = attached
-    monkeypatch.setattr(model, "dspine_config", model.dspine_config.replace(copy_candidates=True, copy_walk=True))
-    history = SlotTokenHistory(pool_rows=8, max_context_len=64, block_size=N, window=32, max_bs=4, device="cpu")
-    with pytest.raises(NotImplementedError, match="copy_walk false"):
-        model.attach_token_history(history)
-
-
 def test_the_triton_kernels_run_behind_the_same_seams(attached, monkeypatch):
     """What CUDA runs (`dispatch.use_triton`): the fused injection and the Triton lattice walk, here in
     the Triton interpreter, through the model's `inject` and the in-graph sampler."""
