@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         record = {"target": args.target or "smollm2-135m-instruct", "drafter": str(drafter_dir),
                   "device": device_name("cpu"), "torch": torch.__version__,
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "command": " ".join(shlex.quote(a) for a in sys.argv), "max_new_tokens": args.max_new_tokens,
+                  "command": " ".join(["python -m dspine.bench.copy_ceiling", *map(shlex.quote, sys.argv[1:])]), "max_new_tokens": args.max_new_tokens,
                   "workloads": results}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
