@@ -174,18 +174,20 @@ def measure_rounds(rounds: list[Round], sequences: list[list[int]], cfg, walk: b
 
 def measure_workload(target, drafter: DSpineDrafter, prompts: list[list[int]], *, max_new_tokens: int,
                      stop_token_ids: list[int], batch_size: int, walk: bool = True) -> dict:
-    """One workload: the no-copy run, the recorded copy run and the ceiling of its rounds."""
+    """One workload: the no-copy run, the recorded copy run and the ceiling of its rounds (the
+    drafter's `copy_candidates` is switched for the two runs and restored)."""
     from dspine.engine.generate import generate
 
     common = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, batch_size=batch_size)
-    drafter.config.copy_candidates = False
-    off = generate(target, drafter, prompts, **common)
-    drafter.config.copy_candidates = True
+    shipped = drafter.config.copy_candidates
     try:
+        drafter.config.copy_candidates = False
+        off = generate(target, drafter, prompts, **common)
+        drafter.config.copy_candidates = True
         proposer = RecordingProposer(drafter)
         on = generate(target, proposer, prompts, **common)
     finally:
-        drafter.config.copy_candidates = False
+        drafter.config.copy_candidates = shipped
     sequences = [p + a for p, a in zip(prompts, on.tokens)]
     ceiling = measure_rounds(proposer.rounds, sequences, drafter.config, walk)
     return {"prompts": len(prompts), "rounds": ceiling.recorded, "complete_rounds": ceiling.complete,
