@@ -55,19 +55,19 @@ def load_prompt_mix(n: int, prompts_dir: Path | None = None, skip: int = 0) -> l
     return mixed[:n]
 
 
-def load_trace_prompts(path: Path, n: int, skip: int = 0) -> list[dict]:
-    """Requests `skip` .. `skip + n - 1` of a trace file (every split, file order;
+def load_trace_prompts(path: Path, n: int | None = None, skip: int = 0, split: str = "all") -> list[dict]:
+    """Requests `skip` .. `skip + n - 1` (n None: to the end) of a trace file's `split` (file order;
     `dspine.data.traces`): dicts `{"id", "source", "messages", "tools"}`, multi-turn and as long as
     the traces' contexts (`python -m dspine.data.agentic` writes coding-agent sessions and long
     threads of 2k-6k tokens). Raises BenchError naming the file when it is missing or invalid."""
     from dspine.data.traces import TraceError, load_traces
 
     try:
-        requests = load_traces([path])
+        requests = load_traces([path], split)
     except TraceError as exc:
         raise BenchError(f"trace workload {path}: {exc}") from None
     return [{"id": r.source, "source": Path(path).stem, "messages": list(r.messages), "tools": list(r.tools)}
-            for r in requests[skip: skip + n]]
+            for r in requests[skip: None if n is None else skip + n]]
 
 
 def chat_body(prompt: dict, model: str, max_tokens: int, **extra) -> dict:

@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspine.bench.chat_client import chat_body, load_set_prompts, run_level, send_with_meta
+from dspine.bench.chat_client import chat_body, load_set_prompts, load_trace_prompts, run_level, send_with_meta
 from dspine.bench.launchers import (
     PrestartedServers,
     UrlLauncher,
@@ -64,7 +64,7 @@ from dspine.bench.launchers import (
 from dspine.bench.results import BenchError, check_schema, command_line, write_results
 from dspine.bench.serving import SERVER_START_S, SERVER_STOP_S, server_configs as serving_configs
 from dspine.data.eval_sets import EVAL_SETS
-from dspine.data.traces import TraceError, TraceRequest, load_traces
+from dspine.data.traces import TraceRequest
 from dspine.utils.atomic import write_json_atomic
 from dspine.utils.http import HttpClient, HttpError
 from dspine.utils.plot import pyplot, save_figure
@@ -131,9 +131,7 @@ def load_workloads(args: argparse.Namespace) -> list[Workload]:
     as the levels can use), kept to `--workloads` when given."""
     out = []
     for path in args.agentic:
-        requests = load_traces([path], args.agentic_split)
-        out.append(Workload(Path(path).stem, True, [{"id": r.source, "messages": list(r.messages),
-                                                      "tools": list(r.tools)} for r in requests]))
+        out.append(Workload(Path(path).stem, True, load_trace_prompts(Path(path), split=args.agentic_split)))
     need = sum(max(args.prompts_per_workload, c) for c in args.concurrency)
     out += [Workload(name, False, load_set_prompts(name, need, args.prompts_dir)) for name in EVAL_SETS
             if not args.workloads or name in args.workloads]
@@ -425,7 +423,7 @@ def main(argv: list[str] | None = None, launcher=None) -> int:
         return 0
     try:
         workloads = load_workloads(args)
-    except (BenchError, TraceError, FileNotFoundError) as e:
+    except (BenchError, FileNotFoundError) as e:
         print(e, file=sys.stderr)
         return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)  # the managed servers' logs go there from the start
