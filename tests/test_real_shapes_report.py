@@ -116,6 +116,7 @@ def test_a_later_run_of_the_other_preset_keeps_the_earlier_one(tmp_path):
     results = json.loads((out / "real_shapes_h200.json").read_text())
     assert [(p["preset"], p["device"], len(p["rounds"])) for p in results["presets"]] == [
         ("qwen3.8-27b", "NVIDIA H200", 3), ("qwen3-8b", "NVIDIA H100 80GB HBM3", 6)]
+    assert results["device"] == "NVIDIA H200 (qwen3.8-27b); NVIDIA H100 80GB HBM3 (qwen3-8b)"
     assert results["replayssm_scratch"]["preset"] == "qwen3.8-27b"          # kept from the first run
     assert [(r["config"], r["temperature"]) for r in results["rounds_left_out"]] == [("AR", 1.0), ("DSPINE", 1.0)]
     rep.check_schema(results, rep.RESULTS_SCHEMA)

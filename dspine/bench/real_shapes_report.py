@@ -236,7 +236,7 @@ def keep_earlier(results: dict, earlier: dict | None) -> dict:
         entries.append({**old, **entry,
                         "rounds": sorted(rounds, key=lambda r: (r["temperature"], r["concurrency"])),
                         "soak_device": old.get("soak_device", old["device"]), "soak_date": old.get("soak_date", old["date"])})
-    merged = {**results, "presets": entries}
+    merged = {**results, "presets": entries, "device": devices_of(entries)}
     left_out = [row for row in (earlier or {}).get("rounds_left_out", []) if row["shape"] not in names
                 or (row["shape"] in rounds_only and (row["shape"], row["temperature"]) not in measured)]
     left_out += results.get("rounds_left_out", [])
@@ -247,6 +247,17 @@ def keep_earlier(results: dict, earlier: dict | None) -> dict:
             and isinstance(earlier.get("replayssm_scratch"), dict):
         merged["replayssm_scratch"] = earlier["replayssm_scratch"]
     return merged
+
+
+def devices_of(entries: list[dict]) -> str:
+    """The file's `device`: the presets' card when they share one, else each card with the presets it
+    served, e.g. "NVIDIA H200 (qwen3.8-27b); NVIDIA H100 80GB HBM3 (qwen3-8b)"."""
+    by_device: dict[str, list[str]] = {}
+    for entry in entries:
+        by_device.setdefault(entry["device"], []).append(entry["preset"])
+    if len(by_device) == 1:
+        return next(iter(by_device))
+    return "; ".join(f"{device} ({', '.join(names)})" for device, names in by_device.items())
 
 
 def plot(results: dict, out_dir: Path, name: str = RESULTS_NAME) -> Path | None:
@@ -269,10 +280,10 @@ def plot(results: dict, out_dir: Path, name: str = RESULTS_NAME) -> Path | None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
         ax.set_ylabel("ms")
-        ax.set_title(f"{preset['preset']}: {preset['requests']} soak requests, {preset['errors']} errors", fontsize=9)
+        ax.set_title(f"{preset['preset']} ({preset['device']}): {preset['requests']} soak requests, "
+                     f"{preset['errors']} errors", fontsize=8)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Published presets at their shapes, dummy weights ({results['device']}, SGLang {results['sglang']})",
-                 fontsize=10)
+    fig.suptitle(f"Published presets at their shapes, dummy weights (SGLang {results['sglang']})", fontsize=10)
     return save_figure(fig, out_dir / f"{name}.png", dpi=110)
 
 
