@@ -16,11 +16,7 @@
 # DSPINE_REAL_PRESETS="P27 P8" (default) picks the presets: P8 alone fits an 80-GB H100;
 # the 27B preset needs an H200; "none" runs only the speculation switch on the small hybrid.
 # DSPINE_REAL_ROUNDS=0 goes straight to the soaks and skips the AR servers; DSPINE_REAL_SWITCH_SECONDS
-# bounds the switch benchmark (default 540; 0 skips it); DSPINE_REAL_SWITCH_DTYPE is its servers'
-# --dtype (default float32: a 16-token verify forward and single-token decodes of the random hybrid
-# then agree to fp32 rounding, far inside its top-2 logit gaps, so greedy parity with AR judges the
-# switch itself; in bf16 every speculative server departs from AR on this target,
-# hybrid_parity_diagnosis_h200.json). DSPINE_REAL_SOAK_MINUTES=0 skips the soaks (a
+# bounds the switch benchmark (default 540; 0 skips it). DSPINE_REAL_SOAK_MINUTES=0 skips the soaks (a
 # rounds-only rerun: the report then keeps the preset's earlier soak, `report_real_shapes.py --preset
 # NAME=-,LOG`).
 #
@@ -34,8 +30,11 @@
 # 3. DSPINE rounds (scripts/bench_round_cost.py) at c=1/8/32, greedy and T=1 in one run per server
 #    (a second run would read phases the first one's throughput levels filled), one server at a time.
 # 4. 10-minute soaks of both presets at once (scripts/soak.py, 32 clients); meanwhile the speculation
-#    switch on the small hybrid (scripts/bench_dynamic.py: AR, DSPINE-plain, DSPINE-dynamic with
-#    --alternating-switch, one server at a time, --disable-radix-cache, fp32).
+#    switch on the small hybrid (scripts/bench_dynamic.py: AR, DSPINE-static, DSPINE-plain,
+#    DSPINE-dynamic with --alternating-switch, one server at a time, --disable-radix-cache; AR's top-2
+#    logprob gaps judge each departure from AR, --parity-gaps: in bf16 a 16-token verify forward and
+#    one-token decodes of this random hybrid pick differently at near-ties, on every speculative
+#    server, hybrid_parity_diagnosis_h200.json; DSPINE-static shows the same without the switch).
 # 5. AR servers of both shapes with the presets' memory and batch flags: their steps at the same levels.
 #
 # OUT holds real_shapes_rounds.json, soak_P27.json, soak_P8.json, hybrid_switch/dynamic_h200.json,
@@ -142,9 +141,10 @@ for name in P27 P8; do
 done
 SWITCH_SECONDS=${DSPINE_REAL_SWITCH_SECONDS:-540}
 if [ "$SWITCH_SECONDS" = 0 ]; then log "hybrid switch: skipped (DSPINE_REAL_SWITCH_SECONDS=0)"; else
-timeout "$SWITCH_SECONDS" python3 scripts/bench_dynamic.py --configs AR,DSPINE-plain,DSPINE-dynamic --alternating-switch \
+timeout "$SWITCH_SECONDS" python3 scripts/bench_dynamic.py --configs AR,DSPINE-static,DSPINE-plain,DSPINE-dynamic \
+  --alternating-switch --parity-gaps \
   --plain-tokens 4 --model-path "$HYBRID/target" --draft "$HYBRID/drafter" --port 30050 \
-  --extra-flags "--dtype ${DSPINE_REAL_SWITCH_DTYPE:-float32} --mem-fraction-static 0.3 --mamba-ssm-dtype float32 --disable-radix-cache --cuda-graph-max-bs-decode 16" \
+  --extra-flags "--mem-fraction-static 0.3 --mamba-ssm-dtype float32 --disable-radix-cache --cuda-graph-max-bs-decode 16" \
   --spec-flags "--enable-linear-replayssm-spec --linear-replayssm-cache-len 32" \
   --requests "$PROMPTS/eval-sharegpt-heldout.jsonl" --concurrency 1,8 --repeats 1 --min-requests 16 --max-tokens 96 \
   --out-dir "$OUT/hybrid_switch" > "$LOGS/hybrid_switch.txt" 2>&1

@@ -42,6 +42,11 @@ def stub(kind: str):
             choice = {"message": {"role": "assistant", "content": "x"}, "meta_info": meta}
             if body.get("return_token_ids"):
                 choice["token_ids"] = ids
+            if body.get("logprobs"):           # AR's top-2 gap is 0.125 nats at token 2, 2.0 elsewhere
+                assert kind == "ar" and body["top_logprobs"] == 2 and body["model"]
+                choice["logprobs"] = {"content": [{"top_logprobs": [{"logprob": -0.5}, {"logprob": -0.625 if i == 2
+                                                                                        else -2.5}]}
+                                                  for i in range(len(ids))]}
             self.send_json({"choices": [choice], "usage": {"completion_tokens": TOKENS}})
 
     return start_server(Handler)
@@ -85,6 +90,28 @@ def test_levels_verify_tokens_parity_and_schema(servers, tmp_path, capsys):
     check_schema(results, bench.RESULTS_SCHEMA)
     assert (tmp_path / "dynamic_h200.png").exists()
     assert "DSPINE-dynamic" in capsys.readouterr().out
+
+
+def test_parity_gaps_judge_each_departure_by_ars_top2_gap(servers, tmp_path):
+    """--parity-gaps: AR answers the concurrency-1 requests again with logprobs, and each departure
+    of the other configs is judged by AR's gap at its position (0.125 nats at token 2: a near-tie
+    at 0.25, not at 0.1)."""
+    requests = tmp_path / "heldout.jsonl"
+    requests.write_text("".join(json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n"
+                                for text in ("hello", "diverge", "more")))
+    switch = tmp_path / "switch.json"
+    switch.write_text(json.dumps({"round_table": "r.json"}))
+    urls = [f"--url={name}={server.url}" for name, server in servers.items()]
+    for nats, kind in ((0.25, "near_tie"), (0.1, "other")):
+        out = tmp_path / kind
+        assert bench.main(["--requests", str(requests), "--switch", str(switch), "--concurrency", "1",
+                           "--min-requests", "3", "--repeats", "1", "--parity-gaps", "--near-tie-nats", str(nats),
+                           "--out-dir", str(out), *urls]) == 0
+        parity = json.loads((out / "dynamic_h200.json").read_text())["parity_c1"]
+        assert parity["DSPINE-static"]["identical"] == 3 and parity["DSPINE-static"]["divergences"] == []
+        dynamic = parity["DSPINE-dynamic"]
+        assert dynamic["divergences"] == [{"request": 1, "position": 2, "gap": pytest.approx(0.125), "kind": kind}]
+        assert (dynamic["near_tie"], dynamic["other"]) == ((1, 0) if kind == "near_tie" else (0, 1))
 
 
 def test_median_repeat_and_mixed_launchers(tmp_path):

@@ -174,6 +174,24 @@ def test_the_switch_verdict_needs_parity_and_both_step_kinds():
     assert failed.startswith("DSPINE-dynamic: the server refused the switch file")
 
 
+def test_the_switch_verdict_admits_the_rounds_departures_at_ar_near_ties_only():
+    """With AR's gaps (--parity-gaps) a departure of the dynamic server at an AR near-tie is what a
+    verify forward does on any speculative server; one elsewhere, or any departure of the
+    forced-plain server (AR's own decodes), is not."""
+    def judged(dynamic_ids, plain_ids=(1, 2, 3), gaps=(2.0, 0.125, 2.0)):
+        run = switch_run(plain_ids=plain_ids)
+        run["levels"][2] = {**run["levels"][2]}
+        passes = {"AR": [reply([1, 2, 3], [])], "DSPINE-plain": [reply(list(plain_ids), [1, 1, 1])],
+                  "DSPINE-dynamic": [reply(list(dynamic_ids), [16, 1, 1])]}
+        run["parity_c1"] = parity_c1(passes, [[[-0.1, -0.1 - g] for g in gaps]])
+        return rep.switch_verdict(run)
+
+    assert judged([1, 7, 8]) is True                                          # at token 1: gap 0.125
+    assert judged([7, 8, 9]) == ("DSPINE-dynamic: 1 of 1 requests differ from AR's tokens (0 at AR near-ties "
+                                 "(top-2 gap <= 0.25 nats), 1 elsewhere; first differences at [0])")
+    assert judged([1, 7, 8], plain_ids=(1, 7, 3)).startswith("DSPINE-plain: 1 of 1 requests differ")
+
+
 def test_a_round_without_its_ar_step_names_the_missing_run():
     with pytest.raises(BenchError, match=r"qwen3-8b: DSPINE at c=8, T=1 has no AR step beside it"):
         rep.report(rounds(drop_ar=("qwen3-8b", 8, 1.0)), {"qwen3-8b": (soak(), LOG_8B), "qwen3.8-27b": (soak(), LOG_27B)},

@@ -21,7 +21,11 @@ all with `return_meta_info`. Per level: output_tok_per_s = completion tokens / w
 accept_len = completion tokens / spec_verify_ct (tokens per decode step, plain steps included; 1 for
 AR); mean_verify_tokens = verify tokens per request per decode step: N for a drafting step, 1 for a
 plain one (`meta_info.dspine_verify_tokens`, one entry per decode step under the switch). At concurrency 1 the
-token ids of every request are compared with AR's (`parity_c1`).
+token ids of every request are compared with AR's (`parity_c1`). With `--parity-gaps` the AR server
+then answers those requests once more with its top-2 logprobs, and each other config's first
+departure from AR is judged by AR's top-2 gap there (`dspine.bench.parity.verdict`): a near-tie (at
+most `--near-tie-nats`), where a multi-token verify forward and a one-token decode may pick
+differently, or not.
 
 Each level runs `--repeats` times on the same server and reports its median repeat, with every
 repeat's throughput (`levels[*].repeats_tok_per_s`): levels of a few seconds vary from run to run.
@@ -43,8 +47,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from dspine.bench.chat_client import CHAT, completion_tokens
+from dspine.bench.chat_client import CHAT, completion_tokens, parity_pass
 from dspine.bench.launchers import ConfigLaunchers, add_server_arguments, check_server_arguments, detect_device
+from dspine.bench.parity import verdict
 from dspine.bench.results import BenchError, check_schema, command_line, write_results
 from dspine.dynamic.switch import write_forced_switch, write_switch_file
 from dspine.utils.atomic import write_json_atomic
@@ -174,9 +179,12 @@ def server_configs(args) -> dict[str, tuple[list[str], dict[str, str]]]:
     return chosen
 
 
-def parity_c1(passes: dict[str, list[dict]]) -> dict:
+def parity_c1(passes: dict[str, list[dict]], ar_top2: list[list[float]] | None = None,
+              near_tie_nats: float = 0.25) -> dict:
     """Per config: requests whose token ids equal AR's at concurrency 1, and the first differing
-    position of the others (no logprobs here: near-ties are judged by bench_serving's --prefill-check)."""
+    position of the others. With `ar_top2` (per request, AR's top-2 logprobs at each position of its
+    answer: `--parity-gaps`) also each departure's AR gap and verdict ("near_tie" at most
+    `near_tie_nats`, else "other") in `divergences`, and their counts."""
     out = {}
     ar = passes.get("AR")
     for name, replies in passes.items():
@@ -187,9 +195,34 @@ def parity_c1(passes: dict[str, list[dict]]) -> dict:
             x, y = a["token_ids"] or [], b["token_ids"] or []
             firsts.append(next((i for i, (p, q) in enumerate(zip(x, y)) if p != q),
                                None if len(x) == len(y) else min(len(x), len(y))))
-        out[name] = {"requests": len(firsts), "identical": sum(f is None for f in firsts),
-                     "first_difference": [f for f in firsts if f is not None]}
+        block = {"requests": len(firsts), "identical": sum(f is None for f in firsts),
+                 "first_difference": [f for f in firsts if f is not None]}
+        if ar_top2 is not None:
+            divergences = []
+            for request, (k, top2) in enumerate(zip(firsts, ar_top2)):
+                if k is not None:
+                    top = top2[k] if k < len(top2) else []
+                    gap = top[0] - top[1] if len(top) >= 2 else None
+                    divergences.append({"request": request, "position": k, "gap": gap,
+                                        "kind": verdict(gap, near_tie_nats)})
+            kinds = [d["kind"] for d in divergences]
+            block.update(near_tie=kinds.count("near_tie"), other=kinds.count("other"), near_tie_nats=near_tie_nats,
+                         divergences=divergences)
+        out[name] = block
     return out
+
+
+def ar_gaps(base: str, bodies: list[dict], replies: list[dict], args) -> list[list[float]]:
+    """AR's top-2 logprobs at each position of its concurrency-1 answers (`--parity-gaps`): the same
+    requests once more, one at a time, with logprobs. Greedy AR answers itself identically; an answer
+    that differs now is an error (its gaps would belong to other tokens)."""
+    sent = [{**bodies[i % len(bodies)], "model": args.served_model} for i in range(len(replies))]
+    again = parity_pass(base, sent, args.request_timeout, logprobs=True)
+    for i, (first, second) in enumerate(zip(replies, again)):
+        if first["token_ids"] != second.token_ids:
+            raise BenchError(f"AR answered request {i} differently when asked for logprobs: its greedy decoding is "
+                             "not repeatable on this server, so no gap can judge the other configs' departures")
+    return [reply.top2 or [] for reply in again]
 
 
 def speedups(runs: list[dict], ar: dict[int, float] | None = None) -> dict[str, list[tuple[int, float]]]:
@@ -267,6 +300,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run each level this many times on the same server; report the median repeat (levels "
                         "of a few seconds vary from run to run)")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--parity-gaps", action="store_true",
+                   help="after AR's levels, ask the AR server for its top-2 logprobs on the concurrency-1 requests "
+                        "and judge every other config's first departure from AR by AR's gap there")
+    p.add_argument("--near-tie-nats", type=float, default=0.25,
+                   help="with --parity-gaps: the largest AR top-2 gap (nats) of a near-tie departure (two bf16 "
+                        "steps of a top logit in [16, 32); dspine.bench.parity)")
     p.add_argument("--plot-only", action="store_true", help="redraw dynamic_h200.png from the JSON in --out-dir")
     args = p.parse_args(argv)
     if args.requests is None and not args.plot_only:
@@ -294,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                "switch": json.loads(Path(args.switch).read_text()) if args.switch else None,
                "runs": [], "levels": [], "configs": {}, "errors": []}
     passes: dict[str, list[dict]] = {}
+    ar_top2 = None
     for name, (flags, env) in configs.items():
         results["configs"][name] = {"flags": flags, "env": env}
         try:
@@ -312,17 +352,20 @@ def main(argv: list[str] | None = None) -> int:
                 results["runs"].append({"algorithm": name, "concurrency": c,
                                         **{k: level[k] for k in ("output_tok_per_s", "mean_verify_tokens",
                                                                  "accept_len")}})
-                results["parity_c1"] = parity_c1(passes)
+                results["parity_c1"] = parity_c1(passes, ar_top2, args.near_tie_nats)
                 write_results(results, args.out_dir, RESULTS_NAME)
                 spread = "/".join(f"{x:.0f}" for x in level["repeats_tok_per_s"])
                 print(f"[{name}] c={c}: {level['output_tok_per_s']:.0f} tok/s (repeats {spread}), "
                       f"{level['accept_len']:.2f} tokens/step, {level['mean_verify_tokens']:.2f} verify "
                       f"tokens/request-step, {level['wall_s']:.1f} s", flush=True)
+            if name == "AR" and args.parity_gaps and "AR" in passes:
+                ar_top2 = ar_gaps(base, bodies, passes["AR"], args)
         except (BenchError, HttpError, OSError) as err:
             results["errors"].append(f"{name}: {err}")
             print(f"[{name}] FAILED: {err}", flush=True)
         finally:
             launcher.stop(name)
+    results["parity_c1"] = parity_c1(passes, ar_top2, args.near_tie_nats)   # every config judged by AR's gaps
     results["speedup_vs_ar"] = {name: {str(c): round(x, 3) for c, x in points}
                                 for name, points in speedups(results["runs"]).items()}
     path = write_results(results, args.out_dir, RESULTS_NAME)
