@@ -212,7 +212,7 @@ def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, record
     """Figures of one variant (module docstring); {"error": ...} when it fails (out of memory, say).
     With `trace_dir`, the timed steps run under torch.profiler: `phases_ms_per_step` (`phase_figures`)
     joins the figures and `trace_dir/<variant>.txt` (`:`, `+` as `_`) gets the 30 heaviest operators
-    by self time."""
+    by self time, then the 40 heaviest (operator, input shapes) pairs."""
     from dspine.train.trainer import build_drafter, make_objective, train_step
 
     cfg = replace(cfg, batch_size=v.batch_size, blocks_per_seq=v.blocks_per_seq,
@@ -238,7 +238,7 @@ def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, record
     tokens = flops = 0.0
     first, started = None, time.perf_counter()
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if use_amp else [])
-    prof = torch.profiler.profile(activities=activities) if trace_dir is not None else None
+    prof = torch.profiler.profile(activities=activities, record_shapes=True) if trace_dir is not None else None
     try:
         for i in range(warmup + steps):
             if i == warmup:
@@ -283,7 +283,8 @@ def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, record
         trace_dir.mkdir(parents=True, exist_ok=True)
         sort = "self_cuda_time_total" if use_amp else "self_cpu_time_total"
         (trace_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', v.name)}.txt").write_text(
-            prof.key_averages().table(sort_by=sort, row_limit=30) + "\n")
+            prof.key_averages().table(sort_by=sort, row_limit=30) + "\n"
+            + prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=40) + "\n")
     return figures
 
 
@@ -346,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", type=Path, default=None, metavar="DIR",
                    help="profile the timed steps (torch.profiler): each variant's host and device ms per step "
                         "in the trainer's phases (target, drafter, vocab_losses, backward, optimizer) go into "
-                        "the JSON, its 30 heaviest operators into DIR/<variant>.txt; the profiler's overhead "
+                        "the JSON, its 30 heaviest operators and its 40 heaviest (operator, input shapes) pairs "
+                        "into DIR/<variant>.txt; the profiler's overhead "
                         "is then in the timed figures too")
     args = p.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
