@@ -114,6 +114,41 @@ def test_fused_injection_writes_the_top_k_candidates(n, blk, hidden, vocab, rank
     assert torch.equal(found[:, 0], x["anchor_ids"][:, None].expand(n, top_k))
 
 
+@interpreted
+@pytest.mark.parametrize("autocast", [False, True])
+def test_trainings_candidate_scan_through_the_kernel_equals_the_pytorch_scan(autocast):
+    """`AdjacentInjection.scan_top_k` (training's no-grad vocabulary scan) through the split-V kernel
+    finds each scored position's top-k set of the PyTorch scan; under bf16 autocast (the trainer's
+    steps) with fp32 weights too, where the kernel's inputs take the autocast dtype. The injection
+    and its gradients built on either scan's ids agree (the ids' order only reorders a sum)."""
+    from dspine.model.transfer import AdjacentInjection
+
+    n, blk, hidden, vocab, rank, top_k = 3, 8, 32, 900, 16, 5
+    layer = AdjacentInjection(hidden, rank, top_k)
+    x = _injection_inputs(n, blk, hidden, vocab, rank, torch.float32, seed=7)
+    h, table, anchors = x["h"], x["table"], x["anchor_ids"]
+    with torch.no_grad():
+        layer.score_proj.weight.copy_(x["score_weight"])
+
+    def run(mode):
+        leaves = [h.clone().requires_grad_(), table.clone().requires_grad_()]
+        layer.zero_grad()
+        with dispatch.forced(mode), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            found = layer.scan_top_k(*leaves, anchors)
+            out, _ = layer._on_own_top_k(*leaves, anchors)
+        out.float().square().sum().backward()
+        return found, out.detach(), [v.grad for v in leaves] + [w.grad.clone() for w in layer.parameters()]
+
+    ids_ref, out_ref, grads_ref = run("torch")
+    ids, out, grads = run("triton")
+    assert ids.shape == ids_ref.shape == (n, blk - 1, top_k) and not ids_ref.requires_grad
+    assert torch.equal(ids[:, 1:].sort(-1).values, ids_ref[:, 1:].sort(-1).values)
+    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, out_ref, **tol)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, **tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_features_on_own_top_k_equal_the_vocabulary_scan(dtype):
     """Re-weighting a position's own top-k (what `injection_candidates = "first_layer"` does with
@@ -209,9 +244,10 @@ def test_drafter_triton_path_matches_torch_path(monkeypatch, candidates):
     # The injection module on its own, fused path (need_scores=False) vs reference path.
     x = torch.randn(3, model.config.block_size, model.config.hidden_size)
     anchors = torch.randint(0, model.config.vocab_size, (3,))
-    inj_ref, _ = model.injections[0](x, model.transfer_table(), anchors, need_scores=False)
-    monkeypatch.setenv("DSPINE_KERNELS", "triton")
-    inj, scores = model.injections[0](x, model.transfer_table(), anchors, need_scores=False)
+    with torch.no_grad():   # the fused kernels run where autograd records nothing
+        inj_ref, _ = model.injections[0](x, model.transfer_table(), anchors, need_scores=False)
+        monkeypatch.setenv("DSPINE_KERNELS", "triton")
+        inj, scores = model.injections[0](x, model.transfer_table(), anchors, need_scores=False)
     assert scores is None
     torch.testing.assert_close(inj, inj_ref, rtol=1e-5, atol=1e-5)
     hidden, sel = _draft(model)
@@ -326,11 +362,28 @@ def test_first_layer_drafter_uses_the_fused_later_layer_and_matches_the_referenc
     for mode in ("torch", "triton"):
         monkeypatch.setenv("DSPINE_KERNELS", mode)
         x, cand = h, None
-        for layer in model.injections:
-            x, _, cand = layer.forward_with_candidates(x, table, anchors, need_scores=False, candidates=cand)
+        with torch.no_grad():
+            for layer in model.injections:
+                x, _, cand = layer.forward_with_candidates(x, table, anchors, need_scores=False, candidates=cand)
         outs[mode] = x
     assert len(calls) == len(model.injections) - 1  # every later layer, only under "triton"
     torch.testing.assert_close(outs["triton"], outs["torch"], rtol=1e-4, atol=1e-4)
+    # Where autograd records (a training step), no forward-only kernel runs, in any mode: the
+    # injections' gradients are the PyTorch path's.
+    grads = {}
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("DSPINE_KERNELS", mode)
+        model.zero_grad()
+        x, cand = h.clone().requires_grad_(), None
+        leaf = x
+        for layer in model.injections:
+            x, _, cand = layer.forward_with_candidates(x, table.detach(), anchors, need_scores=False, candidates=cand)
+            y, _ = layer(x, table.detach(), anchors, need_scores=False)
+        (x.square().sum() + y.square().sum()).backward()
+        grads[mode] = [leaf.grad] + [p.grad.clone() for p in model.injections.parameters()]
+    assert len(calls) == len(model.injections) - 1
+    for a, b in zip(grads["triton"], grads["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu
@@ -369,6 +422,34 @@ def test_injection_candidates_gpu(n, hidden, vocab, top_k):
     out = inject_on_candidates(x["h"], x["score_weight"], x["table"], x["anchor_ids"], found, x["gate_weight"],
                                x["gate_bias"], x["out_weight"])
     assert _rel(out, h_ref) < TOL[torch.bfloat16]  # the fused later layer on its own top-k: the per-layer result
+
+
+@pytest.mark.gpu
+@gpu
+def test_trainings_candidate_scan_gpu():
+    """A training batch's scan (4,096 blocks of 16 over SmolLM2's vocabulary, bf16 autocast with fp32
+    weights, as the trainer runs it) through the split-V kernel: the fp32 top-k sets up to near-tie
+    rows, without the [n, B-1, V] scores (8 GB in bf16) in memory."""
+    from dspine.model.transfer import AdjacentInjection
+
+    n, hidden, vocab, rank, top_k = 4096, 576, 49152, 256, 8
+    x = _injection_inputs(n, 16, hidden, vocab, rank, torch.float32, device="cuda", seed=11)
+    layer = AdjacentInjection(hidden, rank, top_k).cuda()
+    with torch.no_grad():
+        layer.score_proj.weight.copy_(x["score_weight"])
+    h = x["h"].bfloat16()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        found = layer.scan_top_k(h, x["table"], x["anchor_ids"])
+    peak = torch.cuda.max_memory_allocated() - before
+    q = (h[:, 1:15] @ x["score_weight"].bfloat16().T).float()
+    table = x["table"].bfloat16().float()
+    want = torch.cat([(part @ table.T).topk(top_k, dim=-1).indices for part in q.split(512)])
+    bad = (found[:, 1:].sort(-1).values != want.sort(-1).values).any(-1).sum().item()
+    assert bad <= n * 14 // 100, f"{bad} rows differ"
+    assert peak < 2**30, f"the scan held {peak / 2**30:.1f} GiB"
 
 
 @gpu

@@ -37,11 +37,12 @@ def forced(mode: str) -> Iterator[None]:
         _forced_mode.reset(token)
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """True when the fused Triton kernel should run on tensors living where `t` lives. Never under
-    autocast (e.g. the trainer's held-out evaluation), in any mode: the fused kernels take one dtype
-    for activations and weights, while the PyTorch references follow autocast's casts."""
+def use_triton(t: torch.Tensor, casts_inputs: bool = False) -> bool:
+    """True when the fused Triton kernel should run on tensors living where `t` lives. Under
+    autocast (the trainer's steps and held-out evaluation) never, in any mode, unless the caller
+    `casts_inputs` to autocast's dtype itself: the fused kernels take one dtype for activations and
+    weights, while the PyTorch references follow autocast's casts."""
     mode = kernel_mode()
-    if mode == "torch" or torch.is_autocast_enabled(t.device.type):
+    if mode == "torch" or (torch.is_autocast_enabled(t.device.type) and not casts_inputs):
         return False
     return mode == "triton" or t.is_cuda

@@ -166,8 +166,9 @@ class DrafterObjective(nn.Module):
     """`forward(hidden, anchor_ids, block_positions, mask, labels, norms)` -> the loss terms of one
     micro-batch (scalars, each normalised by the step's `norms`): final, transition (DSpine
     selection), layers (injection), confidence (with a confidence head), total (their sum) and acc1
-    (first-slot accuracy of the final logits, not optimised). The drafter runs its PyTorch kernels
-    (the fused ones have no backward); its parameters are this module's."""
+    (first-slot accuracy of the final logits, not optimised). The drafter's forward records
+    gradients, so its injections take their PyTorch path (`AdjacentInjection._fused`); its
+    parameters are this module's."""
 
     def __init__(self, drafter: nn.Module, *, position_decay: float, confidence_weight: float,
                  chunk_fn: Callable = chunk_gradients, chunk_rows: int | None = None,
@@ -206,8 +207,7 @@ class DrafterObjective(nn.Module):
             with record_function("dspine.train.drafter"):
                 kv = model.context_key_values(model.project_context(hidden),
                                               torch.arange(length, device=hidden.device)[None].expand(bs, -1))
-                with dispatch.forced("torch"):
-                    out = model(anchor_ids, block_positions, kv, mask)
+                out = model(anchor_ids, block_positions, kv, mask)
         finally:
             for hook in hooks:
                 hook.remove()
