@@ -85,6 +85,7 @@ VARIANTS = [
     Variant("smollm2", "new", 32, 128, cudnn=True, layer_fraction=0.25),
     Variant("smollm2", "new", 32, 128, cudnn=True, layer_fraction=0.25, length_groups=16),  # the campaign's
     Variant("smollm2", "new", 32, 128, compile=True, cudnn=True, layer_fraction=0.25, length_groups=16),
+    Variant("smollm2", "new", 32, 256, cudnn=True, layer_fraction=0.25, length_groups=16),   # 2x blocks a forward
     Variant("smollm2", "new", 64, 128),
     Variant("smollm2", "new", 64, 128, layer_fraction=0.25),
     Variant("smollm2", "new", 64, 64, compile=True),
