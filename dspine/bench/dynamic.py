@@ -49,7 +49,7 @@ from pathlib import Path
 
 from dspine.bench.chat_client import CHAT, completion_tokens, parity_pass
 from dspine.bench.launchers import ConfigLaunchers, add_server_arguments, check_server_arguments, detect_device
-from dspine.bench.parity import verdict
+from dspine.bench.parity import NEAR_TIE_NATS, verdict
 from dspine.bench.results import BenchError, check_schema, command_line, write_results
 from dspine.dynamic.switch import write_forced_switch, write_switch_file
 from dspine.utils.atomic import write_json_atomic
@@ -180,7 +180,7 @@ def server_configs(args) -> dict[str, tuple[list[str], dict[str, str]]]:
 
 
 def parity_c1(passes: dict[str, list[dict]], ar_top2: list[list[float]] | None = None,
-              near_tie_nats: float = 0.25) -> dict:
+              near_tie_nats: float = NEAR_TIE_NATS) -> dict:
     """Per config: requests whose token ids equal AR's at concurrency 1, and the first differing
     position of the others. With `ar_top2` (per request, AR's top-2 logprobs at each position of its
     answer: `--parity-gaps`) also each departure's AR gap and verdict ("near_tie" at most
@@ -303,7 +303,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parity-gaps", action="store_true",
                    help="after AR's levels, ask the AR server for its top-2 logprobs on the concurrency-1 requests "
                         "and judge every other config's first departure from AR by AR's gap there")
-    p.add_argument("--near-tie-nats", type=float, default=0.25,
+    p.add_argument("--near-tie-nats", type=float, default=NEAR_TIE_NATS,
                    help="with --parity-gaps: the largest AR top-2 gap (nats) of a near-tie departure (two bf16 "
                         "steps of a top logit in [16, 32); dspine.bench.parity)")
     p.add_argument("--plot-only", action="store_true", help="redraw dynamic_h200.png from the JSON in --out-dir")

@@ -26,6 +26,7 @@ from dspine.bench.chat_client import Reply, prefill_next_token
 from dspine.bench.results import BenchError
 
 PARITY_KEYS = ("parity", "parity_ablation", "parity_ar_control")
+NEAR_TIE_NATS = 0.25   # the default threshold: two bf16 steps of a small target's top logits (above)
 # The server returns fp32 logprobs, so a gap of exactly two bf16 steps can arrive as 0.25000006.
 LOGPROB_GAP_TOLERANCE = 1e-5
 

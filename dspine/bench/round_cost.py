@@ -63,7 +63,7 @@ from dspine.bench.chat_client import (chat_body, load_prompt_mix, load_set_promp
                                       run_level)
 from dspine.bench.launchers import detect_device
 from dspine.bench.launchers import parse_urls
-from dspine.bench.parity import parity_summary, prefill_check
+from dspine.bench.parity import NEAR_TIE_NATS, parity_summary, prefill_check
 from dspine.bench.results import BenchError, check_schema, command_line, write_results
 from dspine.data.eval_sets import EVAL_SETS
 from dspine.sglang.round_graph import STAGES
@@ -129,7 +129,6 @@ def prompt_tokens(base: str, bodies: list[dict], timeout: float) -> int:
     return round(statistics.fmean(counts))
 
 
-NEAR_TIE_NATS = 0.25   # two bf16 steps of a small target's top logits (`dspine.bench.parity`)
 PROFILE_POOL = 64      # prompts the step-profile phases cycle through, apart from the throughput levels
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from dspine.bench.chat_client import Reply, chat_body, load_prompt_mix, parity_pass, run_level, send_with_meta
 from dspine.bench.launchers import (ServeShLauncher, add_server_arguments, check_server_arguments, detect_device,
                                     launcher_for)
-from dspine.bench.parity import PARITY_KEYS, ceiling, parity_summary, prefill_check, reclassify
+from dspine.bench.parity import NEAR_TIE_NATS, PARITY_KEYS, ceiling, parity_summary, prefill_check, reclassify
 from dspine.bench.results import BenchError, check_schema, command_line, write_results
 from dspine.utils.http import HttpClient, HttpError
 from dspine.utils.plot import pyplot, save_figure
@@ -226,7 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="measure the AR server last and, at every divergence, ask it for its greedy next token "
                         "after a one-pass prefill of prompt + common prefix (radix cache flushed): does the "
                         "target's own multi-token forward take the speculative server's token?")
-    p.add_argument("--near-tie-nats", type=float, default=0.25,
+    p.add_argument("--near-tie-nats", type=float, default=NEAR_TIE_NATS,
                    help="largest AR top-2 logprob gap (nats) at which a divergence counts as a bf16 near-tie")
     p.add_argument("--assume-tok-per-s", type=float, default=500.0, help="per-stream decode rate for the estimate")
     p.add_argument("--results-name", default=RESULTS_NAME,
