@@ -34,6 +34,87 @@ def test_block_batch_masks_and_labels():
             assert blk == list(range(k * 4, k * 4 + 4))
 
 
+@pytest.mark.parametrize("length_multiple", [1, 64, 128])
+def test_block_mask_is_the_dense_mask_and_lists_exactly_the_tiles_it_needs(length_multiple):
+    """`BlockBatch.block_mask` against `mask`: its mask function gives every entry of the dense mask,
+    and each query tile lists exactly the key tiles where the dense mask has an entry (tiles of 32
+    here, so rows cross several, and slots of one tile straddle two key tiles when L % 32 != 0)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    g = torch.Generator().manual_seed(length_multiple)
+    recs = [{"ids": torch.randint(5, 900, (n,), generator=g).tolist(), "answer_start": n // 3}
+            for n in (40, 333, 170, 97)]
+    b = make_block_batch(recs, block_size=8, blocks_per_seq=11, window=50, max_len=400, generator=g,
+                         length_multiple=length_multiple)
+    tile, dense = 32, b.mask
+    bs, q_len, kv_len = dense.shape
+    bm = b.block_mask(tile=tile)
+    assert torch.equal(create_mask(bm.mask_mod, bs, None, q_len, kv_len, device="cpu")[:, 0], dense)
+    padded = torch.zeros(bs, -(-q_len // tile) * tile, -(-kv_len // tile) * tile, dtype=torch.bool)
+    padded[:, :q_len, :kv_len] = dense
+    needed = padded.view(bs, padded.shape[1] // tile, tile, padded.shape[2] // tile, tile).any(4).any(2)
+    listed = torch.zeros_like(needed)
+    for row in range(bs):
+        for t in range(needed.shape[1]):
+            listed[row, t, bm.kv_indices[row, 0, t, :bm.kv_num_blocks[row, 0, t]].long()] = True
+    assert torch.equal(listed, needed) and needed.float().mean() < 0.6
+
+
+def test_flex_attention_drafts_and_trains_as_the_dense_mask_does(tiny_target_dir):
+    """The drafter's forward and its gradients under the block mask equal those under the dense mask
+    (fp32 on CPU: gradients through the materialised mask, FlexAttention having no CPU backward), and
+    so does a forward through FlexAttention's own reference (no gradients)."""
+    from dspine.train.trainer import build_drafter, load_training_target, target_hidden
+
+    cfg = TrainConfig(data="unused", run_dir="unused", target=str(tiny_target_dir), blocks_per_seq=6,
+                      drafter=dict(intermediate_size=64, transfer_rank=16, block_size=4, sliding_window=24,
+                                   injection_top_k=4, selection_top_k=4, successor_table_size=4))
+    target, mask_id = load_training_target(cfg, "cpu")
+    g = torch.Generator().manual_seed(3)
+    recs = [{"ids": torch.randint(20, 400, (n,), generator=g).tolist(), "answer_start": 5} for n in (70, 45, 90)]
+    b = make_block_batch(recs, block_size=4, blocks_per_seq=6, window=24, max_len=128, generator=g)
+    outs, grads = [], []
+    for mask in (b.mask, b.block_mask(tile=16)):
+        torch.manual_seed(0)
+        model, _ = build_drafter(cfg, target, mask_id, "cpu")
+        hidden = target_hidden(target, b.input_ids, model.config.target_layer_ids)
+        bs, length = b.input_ids.shape
+        kv = model.context_key_values(model.project_context(hidden), torch.arange(length)[None].expand(bs, -1))
+        out = model(b.anchor_ids, b.block_positions, kv, mask).hidden
+        out.square().mean().backward()
+        outs.append(out.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-3, atol=1e-6)
+    with torch.no_grad():                                                  # FlexAttention's reference
+        flex = model(b.anchor_ids, b.block_positions, kv, b.block_mask(tile=16)).hidden
+    torch.testing.assert_close(flex, outs[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_flex_attention_matches_the_dense_mask_gpu():
+    """One draft layer at the campaign's shape (64 rows x 128 blocks of 16, L 1,024, window 2,048,
+    SmolLM2's 9/3 heads of 64) in bf16: compiled block-sparse FlexAttention against SDPA with the
+    dense mask, output and input gradients."""
+    from dspine.model.layers import block_sparse_attention
+
+    g = torch.Generator().manual_seed(0)
+    recs = [{"ids": torch.randint(5, 49000, (int(n),), generator=g).tolist(), "answer_start": 64}
+            for n in torch.randint(400, 1024, (64,), generator=g)]
+    b = make_block_batch(recs, block_size=16, blocks_per_seq=128, window=2048, max_len=1024, generator=g).to("cuda")
+    bs, q_len, kv_len = b.mask.shape
+    q = torch.randn(bs, 9, q_len, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(bs, 3, kv_len, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    flex = block_sparse_attention(q, k, v, b.block_mask())
+    grads = torch.autograd.grad(flex.float().square().sum(), (q, k, v))
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=b.mask[:, None], enable_gqa=True)
+    want = torch.autograd.grad(dense.float().square().sum(), (q, k, v))
+    torch.testing.assert_close(flex.float(), dense.float(), rtol=2e-2, atol=2e-2)
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got.float(), ref.float(), rtol=5e-2, atol=5e-2)
+
+
 def test_anchors_are_distinct_and_a_short_answers_repeats_carry_no_labels():
     from dspine.train.blocks import draw_anchors
 

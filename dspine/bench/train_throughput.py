@@ -60,6 +60,7 @@ class Variant:
     cudnn: bool = False           # TrainConfig.cudnn_attention
     layer_fraction: float = 1.0   # TrainConfig.layer_loss_fraction
     length_groups: int = 0        # TrainConfig.length_group_batches
+    flex: bool = False            # TrainConfig.flex_attention
 
     @property
     def name(self) -> str:
@@ -67,7 +68,7 @@ class Variant:
         return f"{self.shape}:{self.path}:b{self.batch_size}x{self.blocks_per_seq}{accum}" + \
             ("+compile" if self.compile else "") + ("+cudnn" if self.cudnn else "") + \
             (f"+layers{self.layer_fraction:g}" if self.layer_fraction < 1 else "") + \
-            (f"+group{self.length_groups}" if self.length_groups else "")
+            (f"+group{self.length_groups}" if self.length_groups else "") + ("+flex" if self.flex else "")
 
 
 SHAPES = {"smollm2": "smollm2-dspine", "qwen3-8b": "qwen3-8b-dspine"}   # shape -> packaged training config
@@ -86,6 +87,8 @@ VARIANTS = [
     Variant("smollm2", "new", 32, 128, cudnn=True, layer_fraction=0.25, length_groups=16),  # the campaign's
     Variant("smollm2", "new", 32, 128, compile=True, cudnn=True, layer_fraction=0.25, length_groups=16),
     Variant("smollm2", "new", 32, 256, cudnn=True, layer_fraction=0.25, length_groups=16),   # 2x blocks a forward
+    Variant("smollm2", "new", 32, 128, cudnn=True, layer_fraction=0.25, length_groups=16, flex=True),
+    Variant("smollm2", "new", 32, 256, cudnn=True, layer_fraction=0.25, length_groups=16, flex=True),
     Variant("smollm2", "new", 64, 128),
     Variant("smollm2", "new", 64, 128, layer_fraction=0.25),
     Variant("smollm2", "new", 64, 64, compile=True),
@@ -218,7 +221,7 @@ def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, record
 
     cfg = replace(cfg, batch_size=v.batch_size, blocks_per_seq=v.blocks_per_seq,
                   grad_accum_steps=v.grad_accum_steps, compile=v.compile, cudnn_attention=v.cudnn,
-                  layer_loss_fraction=v.layer_fraction, length_group_batches=v.length_groups)
+                  layer_loss_fraction=v.layer_fraction, length_group_batches=v.length_groups, flex_attention=v.flex)
     use_amp = device.startswith("cuda")
     torch.manual_seed(0)
     model, opt = build_drafter(cfg, target, mask_token_id, device)

@@ -111,7 +111,8 @@ class DSpineDrafter(nn.Module):
         """Draft nb blocks per row in one pass.
 
         anchor_ids: [bs, nb]; positions: [bs, nb·B] absolute positions of the block slots;
-        context_kv: per layer (k, v) [bs, kv_heads, Lc, d]; mask: [bs, nb·B, Lc + nb·B] bool
+        context_kv: per layer (k, v) [bs, kv_heads, Lc, d]; mask: [bs, nb·B, Lc + nb·B] bool (or that mask
+        as a FlexAttention `BlockMask`, `BlockBatch.block_mask`)
         (context window/validity, then within-block bidirectional and no cross-block attention).
         Returns hidden [bs·nb, B, H] (final norm applied).
         """

@@ -8,6 +8,9 @@ once per verified token.
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -39,6 +42,30 @@ def apply_rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask) -> Tensor:
+    """FlexAttention under a `BlockMask`: q [bs, heads, Q, d], k/v [bs, kv_heads, K, d] -> [bs, heads, Q, d].
+    Compiled on CUDA (only the tiles the mask lists). Elsewhere FlexAttention's unfused reference,
+    or, where gradients are wanted (it has no CPU backward), the mask materialised through SDPA."""
+    from torch.nn.attention.flex_attention import create_mask, flex_attention
+
+    gqa = q.shape[1] != k.shape[1]
+    if q.is_cuda:
+        return _compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        mask = create_mask(block_mask.mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
 class DraftAttention(nn.Module):
     """GQA attention with per-head q/k RMSNorm (Qwen3). Queries: block; keys: context + block."""
 
@@ -61,15 +88,19 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(bs, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, positions, self.rope_theta), v
 
-    def forward(self, x: Tensor, positions: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask) -> Tensor:
         """x: [bs, Q, H] block queries (already normed); ctx_k/ctx_v: [bs, kv_heads, Lc, d];
-        mask: [bs, Q, Lc + Q] bool, True where a query may attend. Returns [bs, Q, H]."""
+        mask: [bs, Q, Lc + Q] bool, True where a query may attend, or the same as a FlexAttention
+        `BlockMask` (training's `flex_attention`). Returns [bs, Q, H]."""
         bs, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(bs, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, positions, self.rope_theta)
         k_blk, v_blk = self.key_values(x, positions)
         k = torch.cat([ctx_k.to(k_blk.dtype), k_blk], dim=2)
         v = torch.cat([ctx_v.to(v_blk.dtype), v_blk], dim=2)
+        if not isinstance(mask, Tensor):
+            out = block_sparse_attention(q, k, v, mask)
+            return self.o_proj(out.transpose(1, 2).reshape(bs, q_len, -1))
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
@@ -99,6 +130,6 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, positions: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -53,6 +53,39 @@ class BlockBatch:
         blk = torch.arange(nb * block, device=self.anchors.device) // block
         return torch.cat([ctx_mask, (blk[:, None] == blk[None])[None].expand(bs, -1, -1)], dim=2)
 
+    def block_mask(self, tile: int = 128):
+        """`mask` as a FlexAttention `BlockMask` over tiles of `tile` queries × `tile` keys, built from
+        the anchors alone (no [bs, nb·B, L + nb·B] tensor): a query tile lists the key tiles that meet
+        its blocks' windows [anchor - window, anchor) or hold its own slots (keys L + its queries);
+        the mask function then decides each entry, so attention skips every other tile. Anchors
+        ascend within a row (`draw_anchors`), so a query tile's windows span [first anchor - window,
+        last anchor)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        bs, nb = self.anchors.shape
+        length, block, window = self.input_ids.shape[1], self.block_size, self.window
+        queries, device = nb * block, self.anchors.device
+        q_tiles, kv_tiles = -(-queries // tile), -(-(length + queries) // tile)
+        q_first = torch.arange(q_tiles, device=device) * tile                            # first query of a tile
+        q_last = (q_first + tile - 1).clamp(max=queries - 1)
+        lo = (self.anchors[:, q_first // block] - window).clamp(min=0)                   # [bs, q_tiles]
+        hi = torch.minimum(self.anchors[:, q_last // block], self.valid.sum(1, keepdim=True))  # exclusive
+        starts = torch.arange(kv_tiles, device=device) * tile
+        windows = (starts < hi[..., None]) & (starts + tile > lo[..., None]) & (hi > lo)[..., None]
+        kv_tile = torch.arange(kv_tiles, device=device)
+        own = (kv_tile >= ((length + q_first) // tile)[:, None]) & (kv_tile <= ((length + q_last) // tile)[:, None])
+        tiles = (windows | own)[:, None]                                                # [bs, 1, q_tiles, kv_tiles]
+        anchors, valid = self.anchors, self.valid
+
+        def allowed(b, h, q, kv):
+            a = anchors[b, (q // block).clamp(max=nb - 1)]
+            in_window = (kv < a) & (kv >= a - window) & valid[b, kv.clamp(max=length - 1)]
+            return in_window | ((kv - length) // block == q // block)
+
+        return BlockMask.from_kv_blocks(tiles.sum(-1, dtype=torch.int32),
+                                        torch.argsort(~tiles, dim=-1, stable=True).to(torch.int32),
+                                        BLOCK_SIZE=tile, mask_mod=allowed, seq_lengths=(queries, length + queries))
+
 
 def draw_anchors(starts: Tensor, count: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """`count` anchors from the candidate positions `starts` [m]: without replacement (ascending),

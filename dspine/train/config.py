@@ -107,6 +107,9 @@ class TrainConfig:
     grad_accum_steps: int = 1
     compile: bool = False
     cudnn_attention: bool = False
+    # The draft layers' attention as block-sparse FlexAttention (compiled on CUDA): only the key tiles
+    # a query tile's windows and own slots meet are computed, and no dense mask is built.
+    flex_attention: bool = False
     # The layer-wise losses (5 of the 7 vocabulary-sized ones) on this fraction of each micro-batch's
     # blocks, drawn at random and reweighted: the same expected loss for less work.
     layer_loss_fraction: float = 1.0

@@ -182,7 +182,7 @@ def heldout_tau(model: DSpineDrafter, target, records: list[dict], cfg: TrainCon
             bs, length = batch.input_ids.shape
             kv = model.context_key_values(model.project_context(hidden),
                                           torch.arange(length, device=device)[None].expand(bs, -1))
-            out = model(batch.anchor_ids, batch.block_positions, kv, batch.mask)
+            out = model(batch.anchor_ids, batch.block_positions, kv, draft_mask(batch, cfg))
             logits = model.logits(out.hidden[:, 1:]).float()
         n = logits.shape[0]
         sel = select_tokens(logits, batch.anchor_ids.reshape(-1), torch.zeros(n, device=device), mode=dc.selection,
@@ -267,6 +267,12 @@ def attention_backends(cfg: TrainConfig):
     return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, *backends] if cfg.cudnn_attention else backends)
 
 
+def draft_mask(batch: BlockBatch, cfg: TrainConfig):
+    """The draft layers' attention mask for `batch`: its FlexAttention `block_mask` under
+    `cfg.flex_attention`, else the dense [bs, nb·B, L + nb·B] bool `mask`."""
+    return batch.block_mask() if cfg.flex_attention else batch.mask
+
+
 def accumulate_gradients(objective: nn.Module, target, batches: list[BlockBatch], cfg: TrainConfig, *,
                          use_amp: bool) -> dict[str, Tensor]:
     """Forward and backward of this process's micro-batches `batches` (on the device) into the
@@ -282,7 +288,8 @@ def accumulate_gradients(objective: nn.Module, target, batches: list[BlockBatch]
             with torch.autocast(device_type="cuda" if use_amp else "cpu", dtype=torch.bfloat16, enabled=use_amp):
                 with record_function("dspine.train.target"):
                     hidden = target_hidden(target, batch.input_ids, layer_ids)
-                terms = objective(hidden, batch.anchor_ids, batch.block_positions, batch.mask, batch.labels, norms)
+                terms = objective(hidden, batch.anchor_ids, batch.block_positions, draft_mask(batch, cfg), batch.labels,
+                                  norms)
             with record_function("dspine.train.backward"):
                 (terms["total"] * dist.world).backward()
         for name, value in terms.items():
