@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from conftest import drafter_for
@@ -149,3 +151,24 @@ def test_injection_without_scores_has_the_reference_gradients():
         for a, b in zip(gs, ref_grads):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert got[1].abs().sum() > 0                       # the table's gradient (score and feature paths)
+
+
+def test_rms_norm_equals_its_formula_in_fp32_and_under_bf16_autocast():
+    """`RMSNorm` (one fused `F.rms_norm`) against x / sqrt(mean(x²) + eps) · w computed in float64, with a
+    non-trivial weight; a bf16 input (as autocast's Linear outputs are) takes the fused path, keeps its
+    dtype and stays within bf16 rounding."""
+    from dspine.model.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(48, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(48, generator=g) * 2)
+    x = torch.randn(3, 7, 48, generator=g) * 3
+    x64 = x.double()
+    want = x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * norm.weight.double()
+    torch.testing.assert_close(norm(x).double(), want, rtol=1e-5, atol=1e-6)
+    with warnings.catch_warnings():   # a float32 weight with a bf16 input falls back to the unfused path, warning
+        warnings.simplefilter("error")
+        low = norm(x.bfloat16())
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.double(), want, rtol=2e-2, atol=2e-2)
