@@ -108,7 +108,8 @@ class TrainConfig:
     compile: bool = False
     cudnn_attention: bool = False
     # The draft layers' attention as block-sparse FlexAttention (compiled on CUDA): only the key tiles
-    # a query tile's windows and own slots meet are computed, and no dense mask is built.
+    # a query tile's windows and own slots meet are computed, and no dense mask is built. Slower than
+    # the dense mask at SmolLM2's shape on an H100, but 5 GiB lighter (docs/training.md): off.
     flex_attention: bool = False
     # The layer-wise losses (5 of the 7 vocabulary-sized ones) on this fraction of each micro-batch's
     # blocks, drawn at random and reweighted: the same expected loss for less work.

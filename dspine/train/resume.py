@@ -38,10 +38,9 @@ from dspine.utils.atomic import write_atomic
 
 # TrainConfig fields that change what a step computes or which data it sees. Not in it: where files
 # go (run_dir, data: its content is hashed instead), how often to evaluate, save and log, the export
-# shard size, `compile` and `flex_attention` (the same arithmetic, fused or skipping masked tiles), the
-# attention backends, and `steps`: a campaign may be lengthened or
-# shortened between sessions (the cosine schedule then decays toward the new end from the step it
-# resumes at).
+# shard size, `compile`, `cudnn_attention` and `flex_attention` (the same arithmetic: fused, another
+# backend, or masked tiles skipped), and `steps`: a campaign may be lengthened or shortened between
+# sessions (the cosine schedule then decays toward the new end from the step it resumes at).
 NOT_RESUME_FIELDS = ("run_dir", "data", "eval_every", "save_every", "log_every", "export_shard_bytes", "compile",
                      "cudnn_attention", "flex_attention", "steps")
 RESUME_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in NOT_RESUME_FIELDS)
