@@ -8,18 +8,22 @@
 # (the records done so far are kept), the servers stop, and the records go back xz-compressed in
 # <= 16 MiB pieces.
 #
-# The servers start one after another, each once the previous one has allocated its KV pool: SGLang
-# sizes a pool from the memory free when the server starts, so servers started at once race for it
-# (two of four such starts failed on the H200). Server k (from 0) of n takes --mem-fraction-static
-# 0.8/(n - 0.8k) of what is free then, so each gets about 0.8/n of the card's free memory.
+# The servers start all at once, each with a fixed KV pool (--max-total-tokens): SGLang otherwise
+# sizes a pool from the memory free when it starts, so servers started together race for it, and
+# starting them one after another took 397 s for eight on an H200 (generation then ran 366 s). The
+# pools share 85 % of the card less ~4 GiB of graphs and activations per server; a server that fails
+# to start anyway is tried once more, alone.
 #
 #   bash scripts/gpu_campaign_data.sh OUT PIECES_DIR [FIRST LAST] [MINUTES]
 #
-#   PIECES_DIR  the carried pieces of campaign.jsonl.xz (with campaign.jsonl.xz.pieces.json)
+#   PIECES_DIR  the carried pieces of campaign.jsonl.xz, or of a slice of it (one manifest *.pieces.json)
 #   FIRST LAST  regenerate conversations FIRST..LAST-1 of the file (default: all); a later session
 #               takes the next range, so the way back stays small
 #   MINUTES     generation time (default 18)
 #   SERVERS     (environment) servers per answer kind (default 2)
+#
+# Stopping early keeps the records so far: kill -INT $(cat OUT/clients.pid) (not `pkill -f`, whose
+# pattern also matches the shell that runs it).
 #
 # OUT: progress.txt, the clients' logs, each server's last batch lines (batches-*.txt: are they
 # full, and how fast?), records/{greedy,sampled}.jsonl. Started with dspine_bg (it
@@ -37,7 +41,7 @@ mkdir -p "$OUT" "$WORK"
 T0=$SECONDS
 say() { echo "[gpu_campaign_data +$((SECONDS - T0))s] $*" | tee -a "$OUT/progress.txt"; }
 
-python3 -m dspine.utils.pieces join "$PIECES" "$WORK/campaign.jsonl.xz" --name campaign.jsonl.xz
+python3 -m dspine.utils.pieces join "$PIECES" "$WORK/campaign.jsonl.xz"  # the folder's one file: all or a slice
 xz -d -T0 -c "$WORK/campaign.jsonl.xz" > "$WORK/campaign.jsonl"
 if [ -n "$LAST" ]; then sed -n "$((FIRST + 1)),${LAST}p" "$WORK/campaign.jsonl"; else tail -n "+$((FIRST + 1))" "$WORK/campaign.jsonl"; fi \
   > "$WORK/slice.jsonl"
@@ -49,28 +53,30 @@ PORTS=() URLS_greedy=() URLS_sampled=() pids=()
 for ((k = 0; k < 2 * SERVERS; k++)); do PORTS+=($((30000 + k))); done
 stop_all() { local p; for p in "${PORTS[@]}"; do dspine_server_stop "$p" > /dev/null; done; }
 trap stop_all EXIT
-start() {  # K: server K in the background; returns once its KV pool is allocated (or it has exited)
-  local k=$1 kind name frac
-  kind=$([ $((k % 2)) = 0 ] && echo greedy || echo sampled); name=$kind-$k
-  frac=$(python3 -c "print(round(0.8 / ($((2 * SERVERS)) - 0.8 * $k), 3))")
-  rm -f "$DSPINE_LOGS/$name.log"
-  dspine_server "$name" "${PORTS[k]}" "${SERVER[@]}" --mem-fraction-static "$frac" > "$OUT/server-$name.txt" 2>&1 &
+# KV tokens per server: 85 % of the card, less 4 GiB a server, over the servers, at the target's
+# bytes per token (K and V of every layer, bf16)
+TOKENS=$(python3 - "$SMOLLM2/config.json" $((2 * SERVERS)) <<'PY'
+import json, subprocess, sys
+c = json.load(open(sys.argv[1])); n = int(sys.argv[2])
+total = int(subprocess.check_output(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]).split()[0]) << 20
+head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2
+print(int((0.85 * total - n * (4 << 30)) / n / per_token))
+PY
+)
+SERVER+=(--max-total-tokens "$TOKENS" --mem-fraction-static 0.88)
+for ((k = 0; k < 2 * SERVERS; k++)); do
+  kind=$([ $((k % 2)) = 0 ] && echo greedy || echo sampled)
+  dspine_server "$kind-$k" "${PORTS[k]}" "${SERVER[@]}" > "$OUT/server-$kind-$k.txt" 2>&1 &
   pids[k]=$!
   eval "URLS_$kind+=(--server http://127.0.0.1:${PORTS[k]})"
-  for _ in $(seq 600); do
-    grep -qs "KV Cache is allocated" "$DSPINE_LOGS/$name.log" && return 0
-    kill -0 "${pids[k]}" 2> /dev/null || return 0
-    sleep 0.5
-  done
-}
-for ((k = 0; k < 2 * SERVERS; k++)); do start $k; done
+done
 for ((k = 0; k < 2 * SERVERS; k++)); do
-  # a start that failed anyway is tried once more, alone
   wait "${pids[k]}" && continue
-  say "server on ${PORTS[k]} failed to start; trying it once more"
-  dspine_server_stop "${PORTS[k]}" > /dev/null
   kind=$([ $((k % 2)) = 0 ] && echo greedy || echo sampled)
-  dspine_server "$kind-$k" "${PORTS[k]}" "${SERVER[@]}" --mem-fraction-static 0.3 >> "$OUT/server-$kind-$k.txt" 2>&1 ||
+  say "server on ${PORTS[k]} failed to start; trying it once more, alone"
+  dspine_server_stop "${PORTS[k]}" > /dev/null
+  dspine_server "$kind-$k" "${PORTS[k]}" "${SERVER[@]}" >> "$OUT/server-$kind-$k.txt" 2>&1 ||
     { say "server on ${PORTS[k]} failed twice (log $DSPINE_LOGS/$kind-$k.log)"; exit 1; }
 done
 say "servers up: ${#PORTS[@]} ($(grep -ho '#tokens: [0-9]*' "$DSPINE_LOGS"/*-[0-9]*.log | tr '\n' ' '))"
@@ -79,8 +85,11 @@ GEN=(timeout -s INT "${MINUTES}m" python3 -m dspine.cli gen-data --target "$SMOL
 "${GEN[@]}" "${URLS_greedy[@]}" --out "$WORK/greedy.jsonl" > "$OUT/gen-greedy.log" 2>&1 &
 greedy=$!
 "${GEN[@]}" "${URLS_sampled[@]}" --out "$WORK/sampled.jsonl" --temperature 1 --top-p 0.95 --top-k 20 \
-  > "$OUT/gen-sampled.log" 2>&1 || say "sampled client stopped (rc $?; 124: its time was up; its records are kept)"
-wait $greedy || say "greedy client stopped (rc $?; 124: its time was up; its records are kept)"
+  > "$OUT/gen-sampled.log" 2>&1 &
+sampled=$!
+echo "$greedy $sampled" > "$OUT/clients.pid"
+wait $sampled || say "sampled client stopped (rc $?; 124: its time was up, 130: stopped; its records are kept)"
+wait $greedy || say "greedy client stopped (rc $?; 124: its time was up, 130: stopped; its records are kept)"
 stop_all
 trap - EXIT
 # what the servers did (batch sizes, token usage, generation throughput): the last of SGLang's

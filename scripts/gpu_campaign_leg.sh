@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # One leg of #21's SmolLM2 campaign on the GPU host, after the SGLang bundle is staged and the
-# SmolLM2 target built ($SMOLLM2; docs/sglang.md, "GPU host"): the campaign's records (the pieces of
-# records.tar.xz that scripts/gpu_campaign_data.sh sent back) become one data file, the DSpine drafter
+# SmolLM2 target built ($SMOLLM2; docs/sglang.md, "GPU host"): the campaign's records (the ranges
+# scripts/gpu_campaign_data.sh wrote, as pieces or as folders) become one data file, the DSpine drafter
 # and its ablation train at once for SECONDS with the campaign's settings (scripts/gpu_train_pair.sh),
 # bench-accept measures both, and OUT/back holds what the next leg and the results need.
 #
-#   bash scripts/gpu_campaign_leg.sh OUT RECORDS_PIECES SECONDS [RESUME]
+#   bash scripts/gpu_campaign_leg.sh OUT RECORDS SECONDS [RESUME]
 #
-#   RECORDS_PIECES  folder of records.tar.xz pieces with records.tar.xz.pieces.json (one range's
-#                   greedy.jsonl and sampled.jsonl; the data file is their concatenation, byte for byte
-#                   the same on every leg)
+#   RECORDS         one or more record folders, ':'-separated, in a fixed order: each either the pieces
+#                   of records.tar.xz (with records.tar.xz.pieces.json, as dspine_collect sends them back)
+#                   or a records folder itself (greedy.jsonl, sampled.jsonl: gpu_campaign_data.sh's
+#                   OUT/records on the same host). The data file is their greedy and sampled files
+#                   concatenated in that order, byte for byte the same on every leg that names the same
+#                   folders; a leg that adds a folder resumes with DSPINE_NEW_DATA=1.
 #   SECONDS         training time of both runs (they stop with state saved and the weights so far)
 #   RESUME          folder with the previous leg's back/ files (state_*.pt, run_key_*.json); none on the
 #                   first leg. DSPINE_NEW_DATA=1 when the data grew since that leg.
@@ -22,17 +25,27 @@
 # `dspine_collect OUT/back` (xz pieces, about 170 MB: two calls).
 set -eo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:?OUT directory}; PIECES=${2:?folder of records.tar.xz pieces}; SECONDS_TRAIN=${3:?training seconds}
+OUT=${1:?OUT directory}; RECORDS=${2:?record folders (a:b:...)}; SECONDS_TRAIN=${3:?training seconds}
 RESUME=${4:-}
 # The campaign's settings: a leg resumes only with the same ones (they are part of the run key).
 CAMPAIGN_STEPS=3000   # ~5 legs; lengthen it between legs if they go faster (the schedule follows)
 CAMPAIGN_SET='max_len=4096 blocks_per_seq=128 cudnn_attention=true layer_loss_fraction=0.25 length_group_batches=16'
 # shellcheck source=/dev/null
 source scripts/gpu_host_sglang.sh
-mkdir -p "$OUT/records"
-python3 -m dspine.utils.pieces join "$PIECES" "$OUT/records.tar.xz" --name records.tar.xz
-tar -C "$OUT/records" -xJf "$OUT/records.tar.xz"
-cat "$OUT/records/greedy.jsonl" "$OUT/records/sampled.jsonl" > "$OUT/campaign.jsonl"
+mkdir -p "$OUT"
+: > "$OUT/campaign.jsonl"
+IFS=: read -ra FOLDERS <<< "$RECORDS"
+for i in "${!FOLDERS[@]}"; do
+  dir=${FOLDERS[i]}
+  if [ -s "$dir/records.tar.xz.pieces.json" ]; then  # pieces: rebuilt and unpacked (the tar holds records/)
+    mkdir -p "$OUT/range$i"
+    python3 -m dspine.utils.pieces join "$dir" "$OUT/range$i/records.tar.xz" --name records.tar.xz
+    tar -C "$OUT/range$i" -xJf "$OUT/range$i/records.tar.xz"
+    dir=$OUT/range$i/records
+  fi
+  [ -s "$dir/greedy.jsonl" ] || { echo "[gpu_campaign_leg] $dir: no greedy.jsonl (pieces or a records folder?)" >&2; exit 1; }
+  cat "$dir/greedy.jsonl" "$dir/sampled.jsonl" >> "$OUT/campaign.jsonl"
+done
 echo "[gpu_campaign_leg] data: $(wc -l < "$OUT/campaign.jsonl") sequences"
 
 DSPINE_DATA="$OUT/campaign.jsonl" DSPINE_TARGET="$SMOLLM2" DSPINE_TRAIN_SECONDS="$SECONDS_TRAIN" \
