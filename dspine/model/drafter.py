@@ -96,7 +96,8 @@ class DSpineDrafter(nn.Module):
 
     def context_key_values(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """features: [bs, L, H], positions: [bs, L] -> per layer (k, v), each [bs, kv_heads, L, d]."""
-        return [layer.self_attn.key_values(features, positions) for layer in self.layers]
+        rope = self.layers[0].self_attn.rope(positions)   # the same tables for every layer
+        return [layer.self_attn.key_values(features, rope) for layer in self.layers]
 
     # ----------------------------------------------------------------------------------- forward
     def embed_blocks(self, anchor_ids: Tensor) -> Tensor:
@@ -123,8 +124,9 @@ class DSpineDrafter(nn.Module):
         flat_anchor = anchor_ids.reshape(-1)
         scores = [] if need_layer_scores and self.injections is not None else None
         candidates = None  # injection_candidates == "first_layer": layer 1's top-k ids, reused by later layers
+        rope = self.layers[0].self_attn.rope(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, context_kv[i][0], context_kv[i][1], mask)
+            x = layer(x, rope, context_kv[i][0], context_kv[i][1], mask)
             if self.injections is not None:
                 blocks = x.view(bs * nb, cfg.block_size, -1)
                 if cfg.injection_candidates == "first_layer":

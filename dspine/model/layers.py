@@ -32,13 +32,19 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
-def apply_rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Rotate-half RoPE. x: [bs, heads, T, d]; positions: [bs, T] absolute token positions."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+def rope_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """Rotate-half RoPE's (cos, sin) for `positions` [bs, T]: each [bs, 1, T, head_dim], float32.
+    Every layer rotates the same positions, so a forward computes them once and shares them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     angles = positions.to(torch.float32)[..., None] * inv_freq  # [bs, T, d/2]
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None].to(x.dtype)  # [bs, 1, T, d]
-    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[:, None].to(x.dtype)
+    angles = torch.cat([angles, angles], dim=-1)[:, None]       # [bs, 1, T, d]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    """x [bs, heads, T, d] rotated by `rope_tables` (cast to x's dtype, as the rotation is applied)."""
+    cos, sin = (t.to(x.dtype) for t in rope)
+    d = x.shape[-1]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -82,21 +88,26 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def key_values(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """x: [bs, T, H], positions: [bs, T] -> (k, v) each [bs, kv_heads, T, head_dim], k rotated."""
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """`rope_tables` of `positions` [bs, T] at this attention's head size and theta."""
+        return rope_tables(positions, self.head_dim, self.rope_theta)
+
+    def key_values(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """x: [bs, T, H], rope: `self.rope(positions)` -> (k, v) each [bs, kv_heads, T, head_dim], k rotated."""
         bs, t, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(bs, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(bs, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(k, positions, self.rope_theta), v
+        return apply_rope(k, rope), v
 
-    def forward(self, x: Tensor, positions: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask) -> Tensor:
-        """x: [bs, Q, H] block queries (already normed); ctx_k/ctx_v: [bs, kv_heads, Lc, d];
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], ctx_k: Tensor, ctx_v: Tensor, mask) -> Tensor:
+        """x: [bs, Q, H] block queries (already normed); rope: `self.rope` of their positions [bs, Q];
+        ctx_k/ctx_v: [bs, kv_heads, Lc, d];
         mask: [bs, Q, Lc + Q] bool, True where a query may attend, or the same as a FlexAttention
         `BlockMask` (training's `flex_attention`). Returns [bs, Q, H]."""
         bs, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(bs, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope(q, positions, self.rope_theta)
-        k_blk, v_blk = self.key_values(x, positions)
+        q = apply_rope(q, rope)
+        k_blk, v_blk = self.key_values(x, rope)
         k = torch.cat([ctx_k.to(k_blk.dtype), k_blk], dim=2)
         v = torch.cat([ctx_v.to(v_blk.dtype), v_blk], dim=2)
         if not isinstance(mask, Tensor):
@@ -131,6 +142,6 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, positions: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask)
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], ctx_k: Tensor, ctx_v: Tensor, mask) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
