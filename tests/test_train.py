@@ -452,3 +452,46 @@ def test_throughput_benchmark_times_a_data_files_sequences_with_length_grouping(
     figures = report["variants"]["smollm2:new:b2x128+cudnn+layers0.25+group16"]
     assert figures["length_groups"] == 16 and figures["layer_fraction"] == 0.25 and figures["cudnn"] is True
     assert figures["label_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("which,norms", [("llama", 13), ("qwen3", 25)])   # 2 a layer + final; qwen3 adds q/k norms
+def test_fused_target_norms_switch_every_rms_norm_and_keep_the_hidden_states(which, norms):
+    """fp32: the same hidden states; bf16: at least as close to the fp32 forward as transformers'
+    own bf16 chain (one rounding instead of one per elementwise kernel)."""
+    from conftest import tiny_llama, tiny_qwen3
+
+    from dspine.train.trainer import fuse_rms_norms, target_hidden
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 256, (2, 24), generator=g)
+    targets = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        targets[dtype] = tiny_llama() if which == "llama" else tiny_qwen3()
+        weights = torch.Generator().manual_seed(1)
+        for name, module in targets[dtype].named_modules():
+            if name.endswith("norm"):
+                module.weight.copy_(torch.rand(module.weight.shape, generator=weights) + 0.5)   # a weight that matters
+        targets[dtype].to(dtype)
+    exact = target_hidden(targets[torch.float32], ids, [1, 3, 5])
+    chain = target_hidden(targets[torch.bfloat16], ids, [1, 3, 5]).float()
+    for dtype, target in targets.items():
+        assert fuse_rms_norms(target) == norms
+        assert sum("forward" in m.__dict__ for m in target.modules()) == norms
+    torch.testing.assert_close(target_hidden(targets[torch.float32], ids, [1, 3, 5]), exact, rtol=1e-5, atol=1e-5)
+    fused = target_hidden(targets[torch.bfloat16], ids, [1, 3, 5]).float()
+    error = lambda h: float((h - exact).norm() / exact.norm())    # noqa: E731
+    assert error(fused) <= error(chain) < 0.05
+
+
+def test_fused_target_norms_leave_other_norm_formulas_alone():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    from dspine.train.trainer import fuse_rms_norms
+
+    norm = GemmaRMSNorm(32)                  # x / rms(x) * (1 + weight): not F.rms_norm's formula
+    with torch.no_grad():
+        norm.weight.uniform_(-0.5, 0.5)
+    x = torch.randn(4, 32)
+    want = norm(x)
+    assert fuse_rms_norms(torch.nn.Sequential(norm)) == 0
+    torch.testing.assert_close(norm(x), want)

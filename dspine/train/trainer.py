@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
@@ -162,6 +163,30 @@ def target_hidden(target, input_ids: Tensor, layer_ids: list[int]) -> Tensor:
     return torch.cat([captured[i] for i in layer_ids], dim=-1)
 
 
+def fuse_rms_norms(target: nn.Module) -> int:
+    """Run the target's RMSNorm modules as one fused kernel each (`F.rms_norm`, as SGLang's serving
+    kernels compute them: fp32 inside, one rounding), instead of transformers' chain of five to seven
+    elementwise kernels per norm (~60 norms a SmolLM2 forward). A module is switched only when its
+    output on a probe equals `F.rms_norm` with its `weight` and epsilon within bf16 rounding, so
+    other norm formulas (Gemma's 1 + weight, a bias) keep their own forward. Returns how many
+    modules were switched."""
+    switched = 0
+    for module in target.modules():
+        weight = getattr(module, "weight", None)
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if (not type(module).__name__.endswith("RMSNorm") or not isinstance(weight, Tensor) or weight.dim() != 1
+                or not isinstance(eps, float)):
+            continue
+        probe = torch.randn(8, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
+        with torch.no_grad():
+            fused = F.rms_norm(probe, (weight.shape[0],), weight, eps)
+            if not torch.allclose(module(probe).float(), fused.float(), rtol=2e-2, atol=2e-2):
+                continue
+        module.forward = lambda x, w=weight, e=eps: F.rms_norm(x, (w.shape[0],), w.to(x.dtype), e)
+        switched += 1
+    return switched
+
+
 @torch.no_grad()
 def heldout_tau(model: DSpineDrafter, target, records: list[dict], cfg: TrainConfig, device) -> float:
     """Teacher-forced acceptance estimate: per block, 1 + the number of leading slots whose selected
@@ -204,15 +229,21 @@ def _lr(step: int, cfg: TrainConfig) -> float:
 
 
 def load_training_target(cfg: TrainConfig, device: str) -> tuple[nn.Module, int]:
-    """`(frozen target, mask token id)` for `cfg` on `device` (bf16 on CUDA, fp32 elsewhere). A
-    `random:SHAPE` target gets random weights from the global torch seed (the same on every rank)."""
+    """`(frozen target, mask token id)` for `cfg` on `device` (bf16 on CUDA with fused norms,
+    `fuse_rms_norms`; fp32 elsewhere, as transformers computes it). A `random:SHAPE` target gets
+    random weights from the global torch seed (the same on every rank)."""
     from dspine.engine.targets import is_random_target, load_random_target, load_target, mask_token_candidate
 
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
     if is_random_target(cfg.target):
-        return load_random_target(cfg.target, dtype=dtype, device=device)
-    target, tokenizer = load_target(cfg.target, dtype=dtype, device=device)
-    return target, mask_token_candidate(tokenizer)
+        target, mask_token_id = load_random_target(cfg.target, dtype=dtype, device=device)
+    else:
+        target, tokenizer = load_target(cfg.target, dtype=dtype, device=device)
+        mask_token_id = mask_token_candidate(tokenizer)
+    if cuda:
+        fuse_rms_norms(target)
+    return target, mask_token_id
 
 
 def build_drafter(cfg: TrainConfig, target: nn.Module, mask_token_id: int,
