@@ -21,6 +21,8 @@
 #               takes the next range, so the way back stays small
 #   MINUTES     generation time (default 18)
 #   SERVERS     (environment) servers per answer kind (default 2)
+#   SERVER_FLAGS (environment) more launch_server flags, e.g. '--attention-backend flashinfer' (serve.sh's
+#               default is triton; decoding long coding sessions reads their whole KV every step)
 #
 # Stopping early keeps the records so far: kill -INT $(cat OUT/clients.pid) (not `pkill -f`, whose
 # pattern also matches the shell that runs it).
@@ -64,7 +66,8 @@ per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2
 print(int((0.85 * total - n * (4 << 30)) / n / per_token))
 PY
 )
-SERVER+=(--max-total-tokens "$TOKENS" --mem-fraction-static 0.88)
+# shellcheck disable=SC2206  # SERVER_FLAGS is split on purpose
+SERVER+=(--max-total-tokens "$TOKENS" --mem-fraction-static 0.88 ${SERVER_FLAGS:-})
 for ((k = 0; k < 2 * SERVERS; k++)); do
   kind=$([ $((k % 2)) = 0 ] && echo greedy || echo sampled)
   dspine_server "$kind-$k" "${PORTS[k]}" "${SERVER[@]}" > "$OUT/server-$kind-$k.txt" 2>&1 &

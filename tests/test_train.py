@@ -495,3 +495,41 @@ def test_fused_target_norms_leave_other_norm_formulas_alone():
     want = norm(x)
     assert fuse_rms_norms(torch.nn.Sequential(norm)) == 0
     torch.testing.assert_close(norm(x), want)
+
+
+def test_compiled_target_layers_give_the_eager_hidden_states_at_every_length():
+    """`compile_target`'s compiled decoder layers (dynamic shapes): the same hidden states as the
+    eager target at several padded lengths, the stopping hook still stopping after layer 3."""
+    from conftest import tiny_llama
+
+    from dspine.train.trainer import compile_target_layers, target_hidden
+
+    target = tiny_llama()
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(4, 256, (2, length), generator=g) for length in (64, 128, 192, 64)]
+    want = [target_hidden(target, ids, [1, 3]) for ids in batches]
+    compile_target_layers(target, backend="aot_eager")
+    ran = []
+    target.model.layers[4].register_forward_hook(lambda *_: ran.append(4))
+    for ids, expected in zip(batches, want):
+        torch.testing.assert_close(target_hidden(target, ids, [1, 3]), expected, rtol=1e-5, atol=1e-5)
+    assert ran == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_target_layers_match_eager_on_cuda_gpu():
+    """Inductor's compiled layers in bf16 on the GPU: the eager hidden states within bf16 rounding."""
+    from conftest import tiny_llama
+
+    from dspine.train.trainer import compile_target_layers, fuse_rms_norms, target_hidden
+
+    target = tiny_llama(hidden=128).to("cuda", torch.bfloat16)
+    fuse_rms_norms(target)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(4, 256, (4, length), generator=g).cuda() for length in (128, 192, 128)]
+    want = [target_hidden(target, ids, [1, 3, 5]).float() for ids in batches]
+    compile_target_layers(target)
+    for ids, expected in zip(batches, want):
+        got = target_hidden(target, ids, [1, 3, 5]).float()
+        assert float((got - expected).norm() / expected.norm()) < 2e-2

@@ -61,6 +61,7 @@ class Variant:
     layer_fraction: float = 1.0   # TrainConfig.layer_loss_fraction
     length_groups: int = 0        # TrainConfig.length_group_batches
     flex: bool = False            # TrainConfig.flex_attention
+    compile_target: bool = False  # TrainConfig.compile_target
 
     @property
     def name(self) -> str:
@@ -68,7 +69,8 @@ class Variant:
         return f"{self.shape}:{self.path}:b{self.batch_size}x{self.blocks_per_seq}{accum}" + \
             ("+compile" if self.compile else "") + ("+cudnn" if self.cudnn else "") + \
             (f"+layers{self.layer_fraction:g}" if self.layer_fraction < 1 else "") + \
-            (f"+group{self.length_groups}" if self.length_groups else "") + ("+flex" if self.flex else "")
+            (f"+group{self.length_groups}" if self.length_groups else "") + ("+flex" if self.flex else "") + \
+            ("+ctarget" if self.compile_target else "")
 
 
 SHAPES = {"smollm2": "smollm2-dspine", "qwen3-8b": "qwen3-8b-dspine"}   # shape -> packaged training config
@@ -86,6 +88,7 @@ VARIANTS = [
     Variant("smollm2", "new", 32, 128, cudnn=True, layer_fraction=0.25),
     Variant("smollm2", "new", 32, 128, cudnn=True, layer_fraction=0.25, length_groups=16),  # the campaign's
     Variant("smollm2", "new", 32, 128, compile=True, cudnn=True, layer_fraction=0.25, length_groups=16),
+    Variant("smollm2", "new", 32, 128, cudnn=True, layer_fraction=0.25, length_groups=16, compile_target=True),
     Variant("smollm2", "new", 32, 256, cudnn=True, layer_fraction=0.25, length_groups=16),   # 2x blocks a forward
     Variant("smollm2", "new", 32, 128, cudnn=True, layer_fraction=0.25, length_groups=16, flex=True),
     Variant("smollm2", "new", 32, 256, cudnn=True, layer_fraction=0.25, length_groups=16, flex=True),
@@ -221,7 +224,8 @@ def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, record
 
     cfg = replace(cfg, batch_size=v.batch_size, blocks_per_seq=v.blocks_per_seq,
                   grad_accum_steps=v.grad_accum_steps, compile=v.compile, cudnn_attention=v.cudnn,
-                  layer_loss_fraction=v.layer_fraction, length_group_batches=v.length_groups, flex_attention=v.flex)
+                  layer_loss_fraction=v.layer_fraction, length_group_batches=v.length_groups, flex_attention=v.flex,
+                  compile_target=v.compile_target)
     use_amp = device.startswith("cuda")
     torch.manual_seed(0)
     model, opt = build_drafter(cfg, target, mask_token_id, device)
@@ -295,15 +299,18 @@ def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, record
 def run(variants: list[Variant], *, device: str, targets: dict[str, str], warmup: int, steps: int,
         max_len: int, batch_size: int | None, trace_dir: Path | None = None,
         data: Path | None = None) -> dict[str, dict]:
-    """Every variant's figures, one target load per shape; on `data`'s sequences (a gen-data file,
+    """Every variant's figures, one target load per shape (two where some variants compile the
+    target); on `data`'s sequences (a gen-data file,
     shuffled with seed 0) instead of synthetic ones when given."""
     from dspine.train.trainer import load_training_target
 
     results: dict[str, dict] = {}
-    for shape in dict.fromkeys(v.shape for v in variants):
+    chosen = [replace(v, batch_size=batch_size or v.batch_size) for v in variants]
+    # one target load per shape, and another where variants compile the target's layers
+    for shape, compiled in dict.fromkeys((v.shape, v.compile_target) for v in chosen):
         spec = shape_target(shape, targets)
         cfg = TrainConfig.from_yaml(SHAPES[shape], data="unused", run_dir="unused", target=spec)
-        cfg = replace(cfg, max_len=max_len)
+        cfg = replace(cfg, max_len=max_len, compile_target=compiled)
         torch.manual_seed(0)
         target, mask_token_id = load_training_target(cfg, device)
         if data is None:
@@ -313,8 +320,7 @@ def run(variants: list[Variant], *, device: str, targets: dict[str, str], warmup
 
             records = load_records(data)
             random.Random(0).shuffle(records)
-        chosen = [replace(v, batch_size=batch_size or v.batch_size) for v in variants if v.shape == shape]
-        for v in dict.fromkeys(chosen):
+        for v in dict.fromkeys(v for v in chosen if (v.shape, v.compile_target) == (shape, compiled)):
             figures = run_variant(v, cfg, target, mask_token_id, records, device=device, warmup=warmup, steps=steps,
                                   trace_dir=trace_dir)
             results[v.name] = {"target": spec or "smollm2-135m-instruct", **vars(v), **figures}

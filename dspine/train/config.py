@@ -106,6 +106,8 @@ class TrainConfig:
     # may use cuDNN's kernels (each call costs milliseconds of host time; off: flash/efficient).
     grad_accum_steps: int = 1
     compile: bool = False
+    # torch.compile of the frozen target's decoder layers (forward only, dynamic shapes) on CUDA.
+    compile_target: bool = False
     cudnn_attention: bool = False
     # The draft layers' attention as block-sparse FlexAttention (compiled on CUDA): only the key tiles
     # a query tile's windows and own slots meet are computed, and no dense mask is built. Slower than

@@ -42,7 +42,7 @@ from dspine.utils.atomic import write_atomic
 # backend, or masked tiles skipped), and `steps`: a campaign may be lengthened or shortened between
 # sessions (the cosine schedule then decays toward the new end from the step it resumes at).
 NOT_RESUME_FIELDS = ("run_dir", "data", "eval_every", "save_every", "log_every", "export_shard_bytes", "compile",
-                     "cudnn_attention", "flex_attention", "steps")
+                     "compile_target", "cudnn_attention", "flex_attention", "steps")
 RESUME_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in NOT_RESUME_FIELDS)
 
 

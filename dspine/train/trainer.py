@@ -187,6 +187,15 @@ def fuse_rms_norms(target: nn.Module) -> int:
     return switched
 
 
+def compile_target_layers(target: nn.Module, backend: str = "inductor") -> None:
+    """Each decoder layer's forward through torch.compile with dynamic shapes (`compile_target`): the
+    padded lengths of the length groups share one graph. Only the forward is compiled, so the
+    module's hooks (`target_hidden`'s, which stop the forward after the deepest needed layer) run
+    outside it."""
+    for layer in target.base_model.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True, backend=backend)
+
+
 @torch.no_grad()
 def heldout_tau(model: DSpineDrafter, target, records: list[dict], cfg: TrainConfig, device) -> float:
     """Teacher-forced acceptance estimate: per block, 1 + the number of leading slots whose selected
@@ -230,7 +239,8 @@ def _lr(step: int, cfg: TrainConfig) -> float:
 
 def load_training_target(cfg: TrainConfig, device: str) -> tuple[nn.Module, int]:
     """`(frozen target, mask token id)` for `cfg` on `device` (bf16 on CUDA with fused norms,
-    `fuse_rms_norms`; fp32 elsewhere, as transformers computes it). A `random:SHAPE` target gets
+    `fuse_rms_norms`, and with `cfg.compile_target` compiled decoder layers; fp32 elsewhere, as
+    transformers computes it). A `random:SHAPE` target gets
     random weights from the global torch seed (the same on every rank)."""
     from dspine.engine.targets import is_random_target, load_random_target, load_target, mask_token_candidate
 
@@ -243,6 +253,8 @@ def load_training_target(cfg: TrainConfig, device: str) -> tuple[nn.Module, int]
         mask_token_id = mask_token_candidate(tokenizer)
     if cuda:
         fuse_rms_norms(target)
+        if cfg.compile_target:
+            compile_target_layers(target)
     return target, mask_token_id
 
 
