@@ -300,13 +300,12 @@ def run(variants: list[Variant], *, device: str, targets: dict[str, str], warmup
         max_len: int, batch_size: int | None, trace_dir: Path | None = None,
         data: Path | None = None) -> dict[str, dict]:
     """Every variant's figures, one target load per shape (two where some variants compile the
-    target); on `data`'s sequences (a gen-data file,
-    shuffled with seed 0) instead of synthetic ones when given."""
+    target's layers); on `data`'s sequences (a gen-data file, shuffled with seed 0) instead of
+    synthetic ones when given."""
     from dspine.train.trainer import load_training_target
 
     results: dict[str, dict] = {}
     chosen = [replace(v, batch_size=batch_size or v.batch_size) for v in variants]
-    # one target load per shape, and another where variants compile the target's layers
     for shape, compiled in dict.fromkeys((v.shape, v.compile_target) for v in chosen):
         spec = shape_target(shape, targets)
         cfg = TrainConfig.from_yaml(SHAPES[shape], data="unused", run_dir="unused", target=spec)

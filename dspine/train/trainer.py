@@ -240,8 +240,8 @@ def _lr(step: int, cfg: TrainConfig) -> float:
 def load_training_target(cfg: TrainConfig, device: str) -> tuple[nn.Module, int]:
     """`(frozen target, mask token id)` for `cfg` on `device` (bf16 on CUDA with fused norms,
     `fuse_rms_norms`, and with `cfg.compile_target` compiled decoder layers; fp32 elsewhere, as
-    transformers computes it). A `random:SHAPE` target gets
-    random weights from the global torch seed (the same on every rank)."""
+    transformers computes it). A `random:SHAPE` target gets random weights from the global torch
+    seed (the same on every rank)."""
     from dspine.engine.targets import is_random_target, load_random_target, load_target, mask_token_candidate
 
     cuda = device.startswith("cuda")
