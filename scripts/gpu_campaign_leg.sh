@@ -21,7 +21,8 @@
 # skips it.
 #
 # OUT/back: state_{dspine,ablation}.pt (travel states), run_key_{dspine,ablation}.json,
-# train_log_{dspine,ablation}.json, acceptance_smollm2.json, acc/ and ckpt_dspine; it comes back with
+# train_log_{dspine,ablation}.json, learning_curves_campaign.json/.png, acceptance_smollm2.json, acc/ and
+# ckpt_dspine; it comes back with
 # `dspine_collect OUT/back` (xz pieces, about 170 MB: two calls).
 set -eo pipefail
 cd "$(dirname "$0")/.."
@@ -57,4 +58,7 @@ cp "$OUT"/pair/state_*.pt "$OUT"/pair/run_key_*.json "$OUT"/pair/train_log_*.jso
 cp -r "$OUT/pair/ckpt_dspine" "$OUT/back/"
 # DSPINE_ACCEPT=0 (a leg whose minutes all go to training: its curve is the train logs' held-out tau)
 [ "${DSPINE_ACCEPT:-1}" = 0 ] || cp -r "$OUT/pair/acceptance_smollm2.json" "$OUT/pair/acc" "$OUT/back/"
+python3 -m dspine.bench.learning_curves --run "dspine=$OUT/back/train_log_dspine.json" \
+  --run "ablation=$OUT/back/train_log_ablation.json" --out-dir "$OUT/back" --name learning_curves_campaign ||
+  echo "[gpu_campaign_leg] no learning curves (see above); the train logs are in OUT/back"
 echo "[gpu_campaign_leg] done; collect with: dspine_collect $OUT/back"
