@@ -22,8 +22,7 @@
 #
 # OUT/back: state_{dspine,ablation}.pt (travel states), run_key_{dspine,ablation}.json,
 # train_log_{dspine,ablation}.json, learning_curves_campaign.json/.png, acceptance_smollm2.json, acc/ and
-# ckpt_dspine; it comes back with
-# `dspine_collect OUT/back` (xz pieces, about 170 MB: two calls).
+# ckpt_dspine; it comes back with `dspine_collect OUT/back` (xz pieces, about 170 MB: two calls).
 set -eo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?OUT directory}; RECORDS=${2:?record folders (a:b:...)}; SECONDS_TRAIN=${3:?training seconds}
