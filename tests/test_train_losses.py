@@ -123,3 +123,73 @@ def test_layer_loss_fraction_is_unbiased(llama_target, monkeypatch):
     assert draws.max() - draws.min() > 1e-5                                         # the draws differ
     for name in ("final", "transition", "confidence"):
         torch.testing.assert_close(terms[0][name], full[name])
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 4])
+def test_linear_kl_equals_the_unchunked_divergence_and_its_gradient(chunk_rows):
+    from dspine.train.losses import linear_kl
+
+    g = torch.Generator().manual_seed(1)
+    n, vocab, hidden = 13, 40, 8
+    x = torch.randn(n, hidden, generator=g, requires_grad=True)
+    teacher = torch.randn(n, hidden, generator=g)
+    head = torch.randn(vocab, hidden, generator=g)
+    row_weights = torch.rand(n, generator=g)
+    row_weights[5] = 0.0
+
+    got = linear_kl(x, teacher, head, row_weights, chunk_rows=chunk_rows)
+    (grad,) = torch.autograd.grad(2.0 * got, [x])
+    p_log = F.log_softmax(teacher @ head.T, dim=-1)
+    want = (F.kl_div(F.log_softmax(x @ head.T, dim=-1), p_log, log_target=True, reduction="none").sum(-1)
+            * row_weights).sum()
+    (want_grad,) = torch.autograd.grad(2.0 * want, [x])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6)
+    assert float(linear_kl(teacher, teacher, head, row_weights)) == pytest.approx(0.0, abs=1e-5)
+
+
+def test_distillation_term_reads_the_targets_distribution_before_each_label(llama_target):
+    """`distill_weight`: the term equals d · Σ w_j · KL(p_j ‖ q_j) / Σ w, with p_j the target's own
+    next-token distribution (its logits from transformers, at the position before label j) and q_j
+    the drafter's final distribution at slot j; the other terms are those of the run without it."""
+    from conftest import drafter_for
+
+    from dspine.train.blocks import make_block_batch
+    from dspine.train.losses import DrafterObjective, position_weights, step_norms
+    from dspine.train.trainer import target_hidden
+
+    g = torch.Generator().manual_seed(7)
+    records = [{"ids": torch.randint(4, 256, (int(n),), generator=g).tolist(), "answer_start": 6} for n in (30, 22)]
+    drafter = drafter_for(llama_target, block_size=5).train()
+    batch = make_block_batch(records, block_size=5, blocks_per_seq=4, window=16, max_len=64, generator=g)
+    norms = step_norms([batch.labels], 4.0)
+    hidden, last = target_hidden(llama_target, batch.input_ids, drafter.config.target_layer_ids, final=True)
+    torch.testing.assert_close(hidden, target_hidden(llama_target, batch.input_ids, drafter.config.target_layer_ids))
+    args = (hidden, batch.anchor_ids, batch.block_positions, batch.mask, batch.labels, norms)
+    with torch.no_grad():
+        plain = DrafterObjective(drafter, position_decay=4.0, confidence_weight=0.3)(*args)
+        got = DrafterObjective(drafter, position_decay=4.0, confidence_weight=0.3, distill_weight=0.5)(*args, last)
+        with pytest.raises(ValueError, match="needs the target's last hidden states"):
+            DrafterObjective(drafter, position_decay=4.0, confidence_weight=0.3, distill_weight=0.5)(*args)
+
+        target_logits = llama_target(input_ids=batch.input_ids).logits                    # [bs, L, V]
+        kv = drafter.context_key_values(drafter.project_context(hidden),
+                                        torch.arange(hidden.shape[1])[None].expand(hidden.shape[0], -1))
+        student = drafter.logits(drafter(batch.anchor_ids, batch.block_positions, kv, batch.mask).hidden[:, 1:])
+        bs, nb = batch.anchor_ids.shape
+        want = torch.zeros(())
+        w = position_weights(batch.labels, 4.0)
+        for b in range(bs):
+            for k in range(nb):
+                for j in range(1, 5):
+                    weight = w[b * nb + k, j - 1]
+                    if weight == 0:
+                        continue
+                    p_log = F.log_softmax(target_logits[b, batch.block_positions[b, k * 5 + j] - 1], -1)
+                    q_log = F.log_softmax(student[b * nb + k, j - 1].float(), -1)
+                    want += weight * (p_log.exp() * (p_log - q_log)).sum()
+    torch.testing.assert_close(got["distill"], 0.5 * want / norms[0], rtol=1e-4, atol=1e-6)
+    for name in plain:
+        if name != "total":
+            torch.testing.assert_close(got[name], plain[name])
+    torch.testing.assert_close(got["total"], plain["total"] + got["distill"], rtol=1e-5, atol=1e-6)

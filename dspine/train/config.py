@@ -96,6 +96,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     position_decay: float = 7.0
     confidence_weight: float = 0.1
+    # Weight of a distillation term on the final logits: KL from the target's whole next-token
+    # distribution (its lm_head on its last states, so the target runs all its layers), beside the CE
+    # on its one token. 0: off.
+    distill_weight: float = 0.0
     heldout_sequences: int = 64
     eval_every: int = 500
     save_every: int = 250
@@ -129,7 +133,8 @@ class TrainConfig:
                      "export_shard_bytes", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise TrainConfigError(f"{name} = {getattr(self, name)}: must be >= 1")
-        for name in ("heldout_sequences", "warmup_steps", "weight_decay", "confidence_weight", "length_group_batches"):
+        for name in ("heldout_sequences", "warmup_steps", "weight_decay", "confidence_weight", "length_group_batches",
+                     "distill_weight"):
             if getattr(self, name) < 0:
                 raise TrainConfigError(f"{name} = {getattr(self, name)}: must be >= 0")
         for name, example in (("lr", "6e-4"), ("grad_clip", "1.0"), ("position_decay", "7.0")):

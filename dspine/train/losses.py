@@ -24,6 +24,9 @@ tensor outlives its chunk and the logits are never recomputed.
                                                    `layer_loss_fraction` < 1 over a random subset
                                                    of the blocks, reweighted to the same expectation)
 + c · BCE(confidence_j, [selected_j == label_j])      confidence head
++ d · Σ_j w_j · KL(p_target,j ‖ softmax(final logits_j))   distillation (`distill_weight` d > 0: the
+                                                   target's whole next-token distribution, not its
+                                                   one token, through `linear_kl`)
 with position weights w_j = exp(-(j-1)/γ) on labelled slots, each term divided by its count over the
 whole optimisation step (`step_norms`: all micro-batches of all ranks), so the micro-batches' terms
 sum to the loss of the step's global batch taken as one batch.
@@ -148,6 +151,44 @@ def linear_cross_entropy(xs: Sequence[Tensor], ws: Sequence[Tensor], labels: Ten
                                      dtype, chunk_fn, parts, *xs, *ws)
 
 
+class _LinearKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, teacher: Tensor, w: Tensor, row_weights: Tensor, chunk_rows: int, dtype: torch.dtype):
+        n, device = x.shape[0], x.device
+        with torch.autocast(device.type, enabled=False):
+            wc = w.to(dtype)
+            grad_x = torch.empty(x.shape, dtype=x.dtype, device=device)
+            total = torch.zeros((), dtype=torch.float32, device=device)
+            for start in range(0, n, chunk_rows):
+                rows = slice(start, start + chunk_rows)
+                log_q = torch.log_softmax((x[rows].to(dtype) @ wc.T).float(), dim=-1)
+                log_p = torch.log_softmax((teacher[rows].to(dtype) @ wc.T).float(), dim=-1)
+                p, rw = log_p.exp(), row_weights[rows].float()
+                total += ((p * (log_p - log_q)).sum(-1) * rw).sum()
+                grad_x[rows] = ((log_q.exp_() - p).mul_(rw[:, None])).to(dtype) @ wc
+        ctx.save_for_backward(grad_x)
+        return total
+
+    @staticmethod
+    def backward(ctx, g_loss: Tensor):
+        (grad_x,) = ctx.saved_tensors
+        return grad_x * g_loss.to(grad_x.dtype), None, None, None, None, None
+
+
+def linear_kl(x: Tensor, teacher: Tensor, w: Tensor, row_weights: Tensor, *, chunk_rows: int | None = None) -> Tensor:
+    """Σ_i row_weights[i] · KL(softmax(teacher_i · wᵀ) ‖ softmax(x_i · wᵀ)): the student rows x [N, D]
+    against the teacher rows [N, D] through one frozen head w [V, D] (the target's lm_head), in
+    chunks of rows, the gradient of x computed in the forward as `linear_cross_entropy`'s is
+    (w·(softmax(z_x) − softmax(z_teacher)), no [N, V] tensor outliving its chunk). Differentiable
+    in x only. The products run in the autocast dtype when autocast is on, softmax and sums in fp32."""
+    device_type = x.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else \
+        torch.promote_types(x.dtype, w.dtype)
+    if chunk_rows is None:
+        chunk_rows = max(1, CHUNK_BYTES // (w.shape[0] * 20))
+    return _LinearKL.apply(x, teacher, w, row_weights, chunk_rows, dtype)
+
+
 def position_weights(labels: Tensor, decay: float) -> Tensor:
     """labels: [n, B-1] (-100 = none) -> w [n, B-1] fp32: exp(-j/decay) on labelled slots, 0 elsewhere."""
     slots = torch.arange(labels.shape[1], device=labels.device)
@@ -165,19 +206,21 @@ def step_norms(label_batches: Sequence[Tensor], decay: float) -> Tensor:
 class DrafterObjective(nn.Module):
     """`forward(hidden, anchor_ids, block_positions, mask, labels, norms)` -> the loss terms of one
     micro-batch (scalars, each normalised by the step's `norms`): final, transition (DSpine
-    selection), layers (injection), confidence (with a confidence head), total (their sum) and acc1
+    selection), layers (injection), confidence (with a confidence head), distill (with
+    `distill_weight` > 0), total (their sum) and acc1
     (first-slot accuracy of the final logits, not optimised). The drafter's forward records
     gradients, so its injections take their PyTorch path (`AdjacentInjection._fused`); its
     parameters are this module's."""
 
     def __init__(self, drafter: nn.Module, *, position_decay: float, confidence_weight: float,
                  chunk_fn: Callable = chunk_gradients, chunk_rows: int | None = None,
-                 layer_loss_fraction: float = 1.0):
+                 layer_loss_fraction: float = 1.0, distill_weight: float = 0.0):
         super().__init__()
         self.drafter = drafter
         self.position_decay, self.confidence_weight = position_decay, confidence_weight
         self.chunk_fn, self.chunk_rows = chunk_fn, chunk_rows
         self.layer_loss_fraction = layer_loss_fraction
+        self.distill_weight = distill_weight
 
     def layer_loss_blocks(self, n: int, device) -> tuple[Tensor | None, float]:
         """(blocks whose layer-wise losses this micro-batch computes, the factor on their weights):
@@ -195,9 +238,10 @@ class DrafterObjective(nn.Module):
                                         chunk_fn=self.chunk_fn)
 
     def forward(self, hidden: Tensor, anchor_ids: Tensor, block_positions: Tensor, mask: Tensor, labels: Tensor,
-                norms: Tensor) -> dict[str, Tensor]:
+                norms: Tensor, teacher: Tensor | None = None) -> dict[str, Tensor]:
         """hidden: [bs, L, K·H] target hidden states; anchor_ids: [bs, nb]; block_positions: [bs, nb·B];
-        mask: [bs, nb·B, L + nb·B]; labels: [bs·nb, B-1]; norms: [3] (`step_norms`)."""
+        mask: [bs, nb·B, L + nb·B]; labels: [bs·nb, B-1]; norms: [3] (`step_norms`); teacher: [bs, L, H]
+        the target's last hidden states (after its final norm), needed when `distill_weight` > 0."""
         model, dc = self.drafter, self.drafter.config
         bs, length = hidden.shape[:2]
         layer_out: list[Tensor] = []
@@ -223,6 +267,16 @@ class DrafterObjective(nn.Module):
             ws.append(table)
         loss, levels, argmax = self._ce(xs, ws, y, w, [1.0] * len(xs))
         terms = {"final": levels[0]}
+        if self.distill_weight > 0:
+            if teacher is None:
+                raise ValueError("distill_weight > 0 needs the target's last hidden states (`teacher`)")
+            # slot j (label ids[a + j]) is distilled from the target's distribution at position a + j - 1
+            before = (block_positions.view(bs, -1, dc.block_size)[:, :, 1:] - 1).clamp(0, length - 1).reshape(bs, -1)
+            rows = teacher.gather(1, before[..., None].expand(-1, -1, teacher.shape[-1])).reshape(n * slots, -1)
+            with record_function("dspine.train.vocab_losses"):
+                distill = self.distill_weight * linear_kl(h, rows, ws[0], w, chunk_rows=self.chunk_rows)
+            terms["distill"] = distill.detach()
+            loss = loss + distill
         if model.transition is not None:
             terms["transition"] = levels[1]
         if layer_out:

@@ -132,16 +132,19 @@ class _StopForward(Exception):
     """Raised by `target_hidden`'s hook once the deepest needed layer has run."""
 
 
-def target_hidden(target, input_ids: Tensor, layer_ids: list[int]) -> Tensor:
+def target_hidden(target, input_ids: Tensor, layer_ids: list[int],
+                  final: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Frozen target forward -> [bs, L, K·H]: the outputs of decoder layers `layer_ids`, equal to
     `output_hidden_states=True`'s hidden_states[i + 1] (the last layer's after the final norm, as
     there). Forward hooks on the decoder layers collect the outputs and stop the forward after the
-    deepest one: no later layer, lm_head or all-layer tuple is computed. input_ids: [bs, L] right-
-    padded; causal attention never reaches the padding from a real position, so no attention mask
-    is passed (the padded positions' states are computed but never read)."""
+    deepest one: no later layer, lm_head or all-layer tuple is computed. With `final`, the whole
+    stack runs and the result is `(features, last)`, last: [bs, L, H] the last layer's states after
+    the final norm (the target's logits are last · lm_headᵀ). input_ids: [bs, L] right-padded; causal
+    attention never reaches the padding from a real position, so no attention mask is passed (the
+    padded positions' states are computed but never read)."""
     base = target.base_model
     layers, last = base.layers, max(layer_ids)
-    stops = last < len(layers) - 1
+    stops = last < len(layers) - 1 and not final
     captured: dict[int, Tensor] = {}
 
     def record(i: int):
@@ -154,13 +157,15 @@ def target_hidden(target, input_ids: Tensor, layer_ids: list[int]) -> Tensor:
     handles = [layers[i].register_forward_hook(record(i)) for i in set(layer_ids)]
     try:
         with torch.no_grad():
-            captured[last] = base(input_ids=input_ids, use_cache=False).last_hidden_state
+            end = base(input_ids=input_ids, use_cache=False).last_hidden_state
+        captured[len(layers) - 1] = end
     except _StopForward:
         pass
     finally:
         for handle in handles:
             handle.remove()
-    return torch.cat([captured[i] for i in layer_ids], dim=-1)
+    features = torch.cat([captured[i] for i in layer_ids], dim=-1)
+    return (features, captured[len(layers) - 1]) if final else features
 
 
 def fuse_rms_norms(target: nn.Module) -> int:
@@ -295,7 +300,8 @@ def make_objective(model: DSpineDrafter, cfg: TrainConfig) -> nn.Module:
             layer.self_attn.compile()
             layer.mlp.compile()
     objective = DrafterObjective(model, position_decay=cfg.position_decay, confidence_weight=cfg.confidence_weight,
-                                 chunk_fn=chunk_fn, layer_loss_fraction=cfg.layer_loss_fraction)
+                                 chunk_fn=chunk_fn, layer_loss_fraction=cfg.layer_loss_fraction,
+                                 distill_weight=cfg.distill_weight)
     return distributed.wrap(objective, distributed.context())
 
 
@@ -330,9 +336,10 @@ def accumulate_gradients(objective: nn.Module, target, batches: list[BlockBatch]
         with distributed.no_sync(objective, last=i == len(batches) - 1), attention_backends(cfg):
             with torch.autocast(device_type="cuda" if use_amp else "cpu", dtype=torch.bfloat16, enabled=use_amp):
                 with record_function("dspine.train.target"):
-                    hidden = target_hidden(target, batch.input_ids, layer_ids)
+                    hidden = target_hidden(target, batch.input_ids, layer_ids, final=cfg.distill_weight > 0)
+                hidden, teacher = hidden if cfg.distill_weight > 0 else (hidden, None)
                 terms = objective(hidden, batch.anchor_ids, batch.block_positions, draft_mask(batch, cfg), batch.labels,
-                                  norms)
+                                  norms, teacher)
             with record_function("dspine.train.backward"):
                 (terms["total"] * dist.world).backward()
         for name, value in terms.items():
