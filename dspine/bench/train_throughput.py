@@ -62,6 +62,7 @@ class Variant:
     length_groups: int = 0        # TrainConfig.length_group_batches
     flex: bool = False            # TrainConfig.flex_attention
     compile_target: bool = False  # TrainConfig.compile_target
+    distill: float = 0.0          # TrainConfig.distill_weight (model FLOPs leave its extra products out)
 
     @property
     def name(self) -> str:
@@ -70,7 +71,7 @@ class Variant:
             ("+compile" if self.compile else "") + ("+cudnn" if self.cudnn else "") + \
             (f"+layers{self.layer_fraction:g}" if self.layer_fraction < 1 else "") + \
             (f"+group{self.length_groups}" if self.length_groups else "") + ("+flex" if self.flex else "") + \
-            ("+ctarget" if self.compile_target else "")
+            ("+ctarget" if self.compile_target else "") + (f"+distill{self.distill:g}" if self.distill else "")
 
 
 SHAPES = {"smollm2": "smollm2-dspine", "qwen3-8b": "qwen3-8b-dspine"}   # shape -> packaged training config
@@ -89,6 +90,7 @@ VARIANTS = [
     Variant("smollm2", "new", 32, 128, cudnn=True, layer_fraction=0.25, length_groups=16),  # the campaign's
     Variant("smollm2", "new", 32, 128, compile=True, cudnn=True, layer_fraction=0.25, length_groups=16),
     Variant("smollm2", "new", 32, 128, cudnn=True, layer_fraction=0.25, length_groups=16, compile_target=True),
+    Variant("smollm2", "new", 32, 128, cudnn=True, layer_fraction=0.25, length_groups=16, distill=0.5),
     Variant("smollm2", "new", 32, 256, cudnn=True, layer_fraction=0.25, length_groups=16),   # 2x blocks a forward
     Variant("smollm2", "new", 32, 128, cudnn=True, layer_fraction=0.25, length_groups=16, flex=True),
     Variant("smollm2", "new", 32, 256, cudnn=True, layer_fraction=0.25, length_groups=16, flex=True),
@@ -225,7 +227,7 @@ def run_variant(v: Variant, cfg: TrainConfig, target, mask_token_id: int, record
     cfg = replace(cfg, batch_size=v.batch_size, blocks_per_seq=v.blocks_per_seq,
                   grad_accum_steps=v.grad_accum_steps, compile=v.compile, cudnn_attention=v.cudnn,
                   layer_loss_fraction=v.layer_fraction, length_group_batches=v.length_groups, flex_attention=v.flex,
-                  compile_target=v.compile_target)
+                  compile_target=v.compile_target, distill_weight=v.distill)
     use_amp = device.startswith("cuda")
     torch.manual_seed(0)
     model, opt = build_drafter(cfg, target, mask_token_id, device)
