@@ -28,8 +28,9 @@
 # pattern also matches the shell that runs it).
 #
 # OUT: progress.txt, the clients' logs, each server's last batch lines (batches-*.txt: are they
-# full, and how fast?), records/{greedy,sampled}.jsonl. Started with dspine_bg (it
-# outlives the call), it comes back with `dspine_collect OUT/records` in the calls after it ends:
+# full, and how fast?), records/{greedy,sampled}.jsonl and records/summary.json (their figures,
+# `dspine.data.records_summary`). Started with dspine_bg (it outlives the call), it comes back with
+# `dspine_collect OUT/records` in the calls after it ends:
 # xz pieces of <= 15 MiB, 7 a call. Here: `python -m dspine.utils.pieces join DIR records.tar.xz --name
 # records.tar.xz`, `tar xJf`, and `cat` the ranges' files into one gen-data file for `dspine train --data`.
 set -eo pipefail
@@ -108,4 +109,7 @@ for kind in greedy sampled; do
   cat "$WORK/$kind.jsonl" "$WORK/$kind.jsonl.partial" 2>/dev/null | grep -a '}$' > "$OUT/records/$kind.jsonl" || true
   say "$kind: $(wc -l < "$OUT/records/$kind.jsonl") records"
 done
+# the range's figures for benchmarks/results/campaign_smollm2.json (`data`), beside the records
+python3 -m dspine.data.records_summary "$OUT"/records/{greedy,sampled}.jsonl --out "$OUT/records/summary.json" \
+  > /dev/null || say "no summary.json (see above)"
 say "done; the records come back with dspine_collect $OUT/records (xz pieces, over one call or more)"
