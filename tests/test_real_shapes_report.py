@@ -192,6 +192,43 @@ def test_the_switch_verdict_admits_the_rounds_departures_at_ar_near_ties_only():
     assert judged([1, 7, 8], plain_ids=(1, 7, 3)).startswith("DSPINE-plain: 1 of 1 requests differ")
 
 
+def test_a_departure_the_never_switching_server_makes_too_is_not_the_switchs():
+    """DSPINE-static runs the same rounds without ever switching: a dynamic departure it makes at the
+    same request and position comes from the verify forward, not the switch; one it does not make,
+    or a departure of the forced-plain server, still fails the verdict."""
+    gaps = [[[-0.1, -0.1 - g] for g in (2.0, 2.0, 2.0)]]
+
+    def judged(static_ids):
+        run = switch_run()
+        passes = {"AR": [reply([1, 2, 3], [])], "DSPINE-dynamic": [reply([1, 7, 8], [16, 1, 1])],
+                  "DSPINE-static": [reply(list(static_ids), [16, 16, 16])]}
+        run["parity_c1"] = {**run["parity_c1"], **parity_c1(passes, gaps)}
+        return rep.switch_verdict(run)
+
+    assert judged([1, 9, 9]) is True                                  # static departs at token 1 too
+    assert judged([1, 2, 9]).startswith("DSPINE-dynamic: 1 of 1 requests differ")   # static departs later
+    assert judged([1, 2, 3]).startswith("DSPINE-dynamic: 1 of 1 requests differ")   # static matches AR
+
+
+def test_runs_of_one_pair_merge_into_one_verdict():
+    """AR + DSPINE-plain on one host, AR + DSPINE-dynamic on another: each config's parity and steps
+    come from the run that served it; runs of another pair are refused."""
+    both = switch_run()
+    plain_run = {**both, "parity_c1": {"DSPINE-plain": both["parity_c1"]["DSPINE-plain"]},
+                 "levels": [level for level in both["levels"] if level["algorithm"] != "DSPINE-dynamic"],
+                 "device": "NVIDIA H100", "date": "d1"}
+    dynamic_run = {**both, "parity_c1": {"DSPINE-dynamic": both["parity_c1"]["DSPINE-dynamic"]},
+                   "levels": [level for level in both["levels"] if level["algorithm"] != "DSPINE-plain"],
+                   "device": "NVIDIA H200", "date": "d2"}
+    assert rep.switch_verdict(plain_run).startswith("DSPINE-dynamic: no parity against AR")
+    merged = rep.merge_switch_runs([plain_run, dynamic_run])
+    assert rep.switch_verdict(merged) is True
+    assert [level["algorithm"] for level in merged["levels"]] == ["AR", "DSPINE-plain", "DSPINE-dynamic"]
+    assert [source["device"] for source in rep.switch_run(merged)["sources"]] == ["NVIDIA H100", "NVIDIA H200"]
+    with pytest.raises(BenchError, match="different targets"):
+        rep.merge_switch_runs([plain_run, {**dynamic_run, "target": "/tmp/other/target"}])
+
+
 def test_a_round_without_its_ar_step_names_the_missing_run():
     with pytest.raises(BenchError, match=r"qwen3-8b: DSPINE at c=8, T=1 has no AR step beside it"):
         rep.report(rounds(drop_ar=("qwen3-8b", 8, 1.0)), {"qwen3-8b": (soak(), LOG_8B), "qwen3.8-27b": (soak(), LOG_27B)},
