@@ -6,6 +6,7 @@
 # bench-accept measures both, and OUT/back holds what the next leg and the results need.
 #
 #   bash scripts/gpu_campaign_leg.sh OUT RECORDS SECONDS [RESUME]
+#   DSPINE_CAMPAIGN_STEPS=N    the schedule's length in steps (default 800; see CAMPAIGN_STEPS)
 #
 #   RECORDS         one or more record folders, ':'-separated, in a fixed order: each either the pieces
 #                   of records.tar.xz (with records.tar.xz.pieces.json, as dspine_collect sends them back)
@@ -28,7 +29,10 @@ cd "$(dirname "$0")/.."
 OUT=${1:?OUT directory}; RECORDS=${2:?record folders (a:b:...)}; SECONDS_TRAIN=${3:?training seconds}
 RESUME=${4:-}
 # The campaign's settings: a leg resumes only with the same ones (they are part of the run key).
-CAMPAIGN_STEPS=3000   # ~5 legs; lengthen it between legs if they go faster (the schedule follows)
+# The cosine schedule's length: 800 steps end within one ~10-minute leg of both runs on one GPU, so every
+# leg leaves a finished drafter; a later leg lengthens it (DSPINE_CAMPAIGN_STEPS=1600 ...: steps are not
+# part of the run key, the schedule then rises again and decays toward the new end).
+CAMPAIGN_STEPS=${DSPINE_CAMPAIGN_STEPS:-800}
 CAMPAIGN_SET='max_len=4096 blocks_per_seq=128 cudnn_attention=true layer_loss_fraction=0.25 length_group_batches=16'
 # shellcheck source=/dev/null
 source scripts/gpu_host_sglang.sh
