@@ -53,6 +53,14 @@ def test_merge_refuses_mixed_settings_and_repeated_drafters(tmp_path):
     assert not (tmp_path / "m.json").exists()
 
 
+def test_served_goes_with_merge_only(tmp_path):
+    from dspine.bench.accept import run_bench_accept
+
+    args = _parse(["--served", str(tmp_path / "s.json"), "--out", str(tmp_path / "o.json")])
+    with pytest.raises(SystemExit, match="--served goes with --merge"):
+        run_bench_accept(args)
+
+
 def _parse(argv: list[str]):
     import argparse
 

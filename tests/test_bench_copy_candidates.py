@@ -4,7 +4,7 @@ NGRAM server sees a prompt twice (restarted when a pool runs out), the must-reac
 failing midway and the time budget keeping what was measured.
 
 Each stub answers `max_tokens` tokens with `spec_verify_ct` from its config: AR none (accept 1),
-NGRAM 3, DSPINE 2; DSPINE-copy 2 on the evaluation sets (1.5 on mbpp: a planted loss) and 6 on the
+NGRAM 3, DSPINE 2, DSPINE-ablation 1.5; DSPINE-copy 2 on the evaluation sets (1.5 on mbpp: a planted loss) and 6 on the
 agentic prompts, but only when its drafter folder's config.json turns copy candidates on."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class StubHandler(JsonHandler):
         time.sleep(server.delay_s)
         n = body["max_tokens"]
         content = body["messages"][0]["content"]
-        verify = {"AR": None, "NGRAM": n // 3, "DSPINE": n // 2}.get(server.name)
+        verify = {"AR": None, "NGRAM": n // 3, "DSPINE": n // 2, "DSPINE-ablation": n * 2 // 3}.get(server.name)
         if server.name == "DSPINE-copy":
             draft = Path(server.flags[server.flags.index("--speculative-draft-model-path") + 1])
             copy = json.loads((draft / "config.json").read_text())["dspine_config"].get("copy_candidates")
@@ -156,13 +156,52 @@ def test_end_to_end_schema_variant_and_table(inputs, capsys, monkeypatch):
     assert checks[("agentic_demo", "DSPINE-copy / NGRAM")]["ratio"] == pytest.approx(2.0)
     assert checks[("agentic_demo", "DSPINE-copy / DSPINE")]["ratio"] == pytest.approx(3.0)
     assert checks[("mbpp", "DSPINE-copy / DSPINE")]["ratio"] == pytest.approx(0.75)
-    assert [s["workload"] for s in bench.summary(results) if not s["ok"]] == ["mbpp"]
+    assert [s["workload"] for s in bench.summary(results) if not s["ok"] and s["check"].startswith("DSPINE-copy")] \
+        == ["mbpp"]
+    assert {w: round(s["ratio"], 3) for (w, check), s in checks.items() if check == "DSPINE / NGRAM"} \
+        == {"gsm8k": 0.667, "math500": 0.667, "sharegpt-heldout": 0.667}   # chat and math only, at c=1
     out = capsys.readouterr().out
     assert "mbpp: DSPINE-copy / DSPINE accept (mean over c) = 0.750 (goal >= 0.98) FAIL" in out
     assert "agentic_demo: DSPINE-copy / NGRAM accept at c=1 = 2.000 (goal >= 1.20) PASS" in out
     line = next(ln for ln in out.splitlines() if ln.startswith("agentic_demo") and ln.split()[1] == "1")
     assert "6.00 / " in line and "1.00 / 1.00x" in line
     assert (inputs["out"] / f"{bench.RESULTS_NAME}.png").is_file() or not _has_matplotlib()
+
+
+def test_the_ablation_config_serves_its_own_drafter_and_joins_the_acceptance_file(inputs, tmp_path, monkeypatch):
+    """--ablation-draft adds DSPINE-ablation (DSPINE's flags, the ablation's folder); bench-accept
+    --merge --served keeps the DSPINE, ablation, NGRAM and AR rows as the acceptance file's `served`."""
+    monkeypatch.setattr(launchers.subprocess, "run", _no_nvidia_smi)
+    ablation = tmp_path / "ablation"
+    ablation.mkdir()
+    launcher = FakeLauncher()
+    argv = _argv(inputs, "--configs", "AR,NGRAM,DSPINE", "--ablation-draft", str(ablation), "--concurrency", "1",
+                 "--workloads", "gsm8k,sharegpt-heldout")
+    assert bench.main(argv, launcher=launcher) == 0
+    flags = {s.name: s.flags for s in launcher.servers}
+    at = flags["DSPINE"].index("--speculative-draft-model-path") + 1
+    assert flags["DSPINE-ablation"] == [*flags["DSPINE"][:at], str(ablation), *flags["DSPINE"][at + 1:]]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--configs", "AR,DSPINE-ablation"])          # the config needs its drafter
+
+    from dspine.bench.accept import merge_results
+    accept = tmp_path / "acc.json"
+    accept.write_text(json.dumps({"target": "t", "date": "d", "device": "cpu", "command": "c", "drafters": {},
+                                  "max_new_tokens": 16, "dtype": "float32", "greedy_parity": None,
+                                  "runs": [{"method": "dspine", "dataset": "gsm8k", "temperature": 0.0, "tau": 2.0,
+                                            "per_position_accept": [0.5]}]}))
+    out = tmp_path / "acceptance.json"
+    assert merge_results([accept], out, inputs["out"] / f"{bench.RESULTS_NAME}.json") == 0
+    served = json.loads(out.read_text())["served"]
+    assert {(r["method"], r["workload"], r["concurrency"], r["accept_len"]) for r in served} == {
+        (m, w, 1, a) for m, a in (("ar", 1.0), ("ngram", 3.0), ("dspine", 2.0), ("ablation", 1.5))
+        for w in ("gsm8k", "sharegpt-heldout")}
+    assert all(set(r) == {"method", "workload", "concurrency", "accept_len", "output_tok_per_s"} for r in served)
+    copy_only = tmp_path / "copy_only.json"
+    copy_only.write_text(json.dumps({**_results(inputs), "runs": [{**r, "config": "DSPINE-copy"}
+                                                                    for r in _results(inputs)["runs"]]}))
+    with pytest.raises(SystemExit, match="no run of"):
+        merge_results([accept], tmp_path / "x.json", copy_only)
 
 
 def test_ngram_restarts_before_a_level_that_would_repeat_a_prompt(inputs):

@@ -46,7 +46,9 @@ def default_out() -> Path:
 def run_bench_accept(args) -> int:
     out = Path(args.out) if args.out else default_out()
     if args.merge:
-        return merge_results([Path(f) for f in args.merge], out)
+        return merge_results([Path(f) for f in args.merge], out, Path(args.served) if args.served else None)
+    if args.served:
+        raise SystemExit("bench-accept: --served goes with --merge (it joins a served comparison to result files)")
     if not args.drafter:
         raise SystemExit("bench-accept: give at least one --drafter NAME=PATH (or --merge FILES)")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -120,10 +122,25 @@ def workloads(args, tokenizer):
                                 for r in requests]
 
 
-def merge_results(paths: list[Path], out: Path) -> int:
+SERVED_METHODS = {"DSPINE": "dspine", "DSPINE-ablation": "ablation", "NGRAM": "ngram", "AR": "ar"}
+
+
+def served_rows(served: dict) -> list[dict]:
+    """The `served` list of an acceptance file from a served comparison (`python -m
+    dspine.bench.copy_candidates` with DSPINE, DSPINE-ablation, NGRAM and AR on the same prompts):
+    one row {"method", "workload", "concurrency", "accept_len", "output_tok_per_s"} per run of those
+    configs; other configs (DSPINE-copy, DFLASH) are left out."""
+    return [{"method": SERVED_METHODS[r["config"]], "workload": r["workload"], "concurrency": r["concurrency"],
+             "accept_len": r["accept_len"], "output_tok_per_s": r["output_tok_per_s"]}
+            for r in served["runs"] if r["config"] in SERVED_METHODS]
+
+
+def merge_results(paths: list[Path], out: Path, served: Path | None = None) -> int:
     """Join result files of the same target and settings, measured by separate processes (e.g. one
     drafter per GPU), into one: drafters, runs and greedy parity are united, the summary recomputed.
-    A drafter name found in two files, or files of different targets or settings, is an error."""
+    A drafter name found in two files, or files of different targets or settings, is an error.
+    `served`: a served comparison's results file, kept as `served` (`served_rows`) with its
+    `served_command`, `served_device` and `served_date`."""
     results = [json.loads(p.read_text()) for p in paths]
     first = results[0]
     for path, r in zip(paths[1:], results[1:]):
@@ -142,9 +159,20 @@ def merge_results(paths: list[Path], out: Path) -> int:
         if merged["greedy_parity"] is not None:
             merged["greedy_parity"].update(r.get("greedy_parity") or {})
     merged["summary"] = summarise(merged["runs"])
+    if served is not None:
+        comparison = json.loads(served.read_text())
+        merged["served"] = served_rows(comparison)
+        if not merged["served"]:
+            raise SystemExit(f"bench-accept --served: {served} has no run of {sorted(SERVED_METHODS)}; give the "
+                             "results of python -m dspine.bench.copy_candidates --configs AR,NGRAM,DSPINE "
+                             "--ablation-draft DIR")
+        merged.update(served_command=comparison["command"], served_device=comparison["device"],
+                      served_date=comparison["date"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(merged, indent=2) + "\n")
     print_table(merged["runs"])
+    if merged.get("served"):
+        print_served(merged["served"])
     plot(merged["runs"], out.with_suffix(".png"))
     print(f"\nbench-accept: wrote {out}")
     return 0
@@ -175,6 +203,17 @@ def print_table(runs: list[dict]) -> None:
     for ds, temp in keys:
         vals = {r["method"]: r["tau"] for r in runs if r["dataset"] == ds and r["temperature"] == temp}
         print(f"{ds:17s} {temp:3.0f} " + " ".join(f"{vals.get(m, float('nan')):10.3f}" for m in methods))
+
+
+def print_served(rows: list[dict]) -> None:
+    """Accept length and output tok/s per workload and concurrency, one column per method."""
+    methods = [m for m in SERVED_METHODS.values() if any(r["method"] == m for r in rows)]
+    print(f"\nserved{'':11s} {'c':>3s} " + " ".join(f"{m + ' acc / tok/s':>22s}" for m in methods))
+    cells = {(r["workload"], r["concurrency"], r["method"]): r for r in rows}
+    for workload, c in dict.fromkeys((r["workload"], r["concurrency"]) for r in rows):
+        line = [f"{cells[(workload, c, m)]['accept_len']:.2f} / {cells[(workload, c, m)]['output_tok_per_s']:.0f}"
+                if (workload, c, m) in cells else "-" for m in methods]
+        print(f"{workload:17s} {c:3d} " + " ".join(f"{x:>22s}" for x in line))
 
 
 def plot(runs: list[dict], path: Path) -> None:

@@ -14,6 +14,10 @@ Configs (SGLang flags; AR's and DSPINE's are `dspine.bench.serving.server_config
   overrides: a variant checkpoint folder `OUT_DIR/<results-name>_dspine_copy` holding that
   config.json and symlinks to the drafter's other files.
 * DFLASH (with `--dflash-draft DIR`): SGLang's DFlash with that drafter.
+* DSPINE-ablation (with `--ablation-draft DIR`): DSPINE with the DFlash-style ablation drafter trained
+  beside `--draft` (same data, steps, seed): the served comparison of #21 (DSPINE, its ablation,
+  NGRAM and AR on the same prompts), which `dspine bench-accept --merge ... --served FILE` joins to
+  the acceptance results.
 
 Workloads: each `--agentic` trace file (named by its stem, `agentic: true`; its `--agentic-split`)
 and each evaluation set (`dspine.data.eval_sets.EVAL_SETS`, `agentic: false`; `--prompts-dir` reads
@@ -69,13 +73,14 @@ from dspine.utils.atomic import write_json_atomic
 from dspine.utils.http import HttpClient, HttpError
 from dspine.utils.plot import pyplot, save_figure
 
-CONFIGS = ("AR", "NGRAM", "DSPINE", "DSPINE-copy", "DFLASH")
+CONFIGS = ("AR", "NGRAM", "DSPINE", "DSPINE-ablation", "DSPINE-copy", "DFLASH")
 DEFAULT_CONFIGS = ("DSPINE-copy", "DSPINE", "NGRAM", "AR")  # the must-reach numbers first
 RESULTS_NAME = "copy_candidates_h200"
 RESULTS_SCHEMA = {"device": str, "date": str, "command": str, "sglang": str, "runs": [
     {"config": str, "workload": str, "agentic": bool, "concurrency": int, "accept_len": float,
      "output_tok_per_s": float}]}
-AGENTIC_VS_NGRAM, AGENTIC_VS_DSPINE, DEV_LOSS = 1.2, 2.0, 0.02  # the must-reach
+AGENTIC_VS_NGRAM, AGENTIC_VS_DSPINE, DEV_LOSS = 1.2, 2.0, 0.02  # the must-reach (copy candidates)
+SERVED_VS_NGRAM, CHAT_AND_MATH = 1.5, ("sharegpt-heldout", "gsm8k", "math500")  # the drafter's, at c=1
 WARMUP = {"messages": [{"role": "user", "content": "Count from one to twenty in words."}]}
 
 
@@ -176,7 +181,8 @@ def make_variant(draft: Path, dest: Path, overrides: dict) -> Path:
 
 def server_configs(args: argparse.Namespace, variant: Path | None) -> dict[str, list[str]]:
     """SGLang flags per config in --configs order: AR and DSPINE as the serving benchmark builds
-    them; NGRAM = AR + the algorithm; DSPINE-copy / DFLASH = DSPINE with their drafter (and algorithm)."""
+    them; NGRAM = AR + the algorithm; DSPINE-copy / DSPINE-ablation / DFLASH = DSPINE with their drafter
+    (and algorithm)."""
     base = serving_configs(argparse.Namespace(model_path=args.model_path, extra_flags=args.extra_flags,
                                               num_draft_tokens=args.num_draft_tokens, draft=args.draft, spec_flags="",
                                               ablation_draft=None, configs=["AR", "DSPINE"]))
@@ -190,6 +196,7 @@ def server_configs(args: argparse.Namespace, variant: Path | None) -> dict[str, 
 
     every = {"AR": base["AR"], "NGRAM": [*base["AR"], "--speculative-algorithm", "NGRAM"], "DSPINE": dspine,
              "DSPINE-copy": swapped(str(variant)) if variant else None,
+             "DSPINE-ablation": swapped(args.ablation_draft) if args.ablation_draft else None,
              "DFLASH": swapped(args.dflash_draft, "DFLASH") if args.dflash_draft else None}
     return {name: every[name] for name in args.configs}
 
@@ -198,8 +205,9 @@ def summary(results: dict) -> list[dict]:
     """The must-reach checks from `runs`: per agentic workload at concurrency 1, DSPINE-copy's accept
     length over NGRAM's (goal >= AGENTIC_VS_NGRAM) and over DSPINE's (>= AGENTIC_VS_DSPINE); per
     evaluation set, DSPINE-copy's over DSPINE's, each the mean over the concurrencies both have
-    (goal >= 1 - DEV_LOSS). Rows {"workload", "check", "ratio", "goal", "ok"}; a check lacking a
-    config is left out."""
+    (goal >= 1 - DEV_LOSS); on the chat and math sets (CHAT_AND_MATH) at concurrency 1, DSPINE's
+    over NGRAM's (goal >= SERVED_VS_NGRAM). Rows {"workload", "check", "ratio", "goal", "ok"}; a
+    check lacking a config is left out."""
     accept = {(r["config"], r["workload"], r["concurrency"]): r["accept_len"] for r in results["runs"]}
     agentic = {r["workload"]: r["agentic"] for r in results["runs"]}
     rows = []
@@ -215,6 +223,10 @@ def summary(results: dict) -> list[dict]:
                 rows.append({"workload": workload, "check": f"DSPINE-copy / {other} accept"
                              + (" at c=1" if is_agentic else " (mean over c)"), "ratio": ratio, "goal": goal,
                              "ok": ratio >= goal})
+        if workload in CHAT_AND_MATH and ("DSPINE", workload, 1) in accept and ("NGRAM", workload, 1) in accept:
+            ratio = accept[("DSPINE", workload, 1)] / accept[("NGRAM", workload, 1)]
+            rows.append({"workload": workload, "check": "DSPINE / NGRAM accept at c=1", "ratio": ratio,
+                         "goal": SERVED_VS_NGRAM, "ok": ratio >= SERVED_VS_NGRAM})
     return rows
 
 
@@ -392,6 +404,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--copy-set", action="append", default=[], metavar="KEY=VALUE",
                    help="DSPINE-copy drafter setting (copy_* keys of dspine_config), repeatable")
     p.add_argument("--dflash-draft", default=None, help="a DFlash drafter: adds the DFLASH config")
+    p.add_argument("--ablation-draft", default=None,
+                   help="the DFlash-style ablation trained beside --draft: adds the DSPINE-ablation config")
     p.add_argument("--time-budget-s", type=float, default=0.0, help="stop cleanly after about this long (0: no limit)")
     p.add_argument("--assume-tok-per-s", type=float, default=500.0, help="per-stream decode rate for the estimate")
     p.add_argument("--results-name", default=RESULTS_NAME, help="stem of the JSON and PNG in --out-dir")
@@ -404,6 +418,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.configs.append("DFLASH")
     if "DFLASH" in args.configs and not args.dflash_draft:
         p.error("DFLASH needs --dflash-draft DIR")
+    if args.ablation_draft and "DSPINE-ablation" not in args.configs:
+        args.configs.append("DSPINE-ablation")
+    if "DSPINE-ablation" in args.configs and not args.ablation_draft:
+        p.error("DSPINE-ablation needs --ablation-draft DIR")
     check_server_arguments(p, args, CONFIGS)
     return args
 

@@ -275,3 +275,7 @@ def add_bench_accept_arguments(p) -> None:
     p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                    help="no measuring: join result files written by separate runs (e.g. one drafter per GPU) "
                         "into --out, recompute the summary and redraw the plot")
+    p.add_argument("--served", default=None, metavar="JSON",
+                   help="with --merge: a served comparison of the same drafters (python -m "
+                        "dspine.bench.copy_candidates --configs AR,NGRAM,DSPINE --ablation-draft DIR), kept in --out "
+                        "as the list `served` (method, workload, concurrency, accept_len, output_tok_per_s)")
