@@ -22,8 +22,9 @@
 # skips it.
 #
 # OUT/back: state_{dspine,ablation}.pt (travel states), run_key_{dspine,ablation}.json,
-# train_log_{dspine,ablation}.json, learning_curves_campaign.json/.png, acceptance_smollm2.json, acc/ and
-# ckpt_dspine; it comes back with `dspine_collect OUT/back` (xz pieces, about 170 MB: two calls).
+# train_log_{dspine,ablation}.json, learning_curves_campaign.json/.png, acceptance_smollm2.json, acc/,
+# ckpt_dspine and ckpt_ablation; it comes back with `dspine_collect OUT/back` (xz pieces of 15 MiB, about
+# 200 MB: a call returns at most ~64 MiB, so four calls).
 set -eo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?OUT directory}; RECORDS=${2:?record folders (a:b:...)}; SECONDS_TRAIN=${3:?training seconds}
@@ -58,7 +59,7 @@ DSPINE_DATA="$OUT/campaign.jsonl" DSPINE_TARGET="$SMOLLM2" DSPINE_TRAIN_SECONDS=
 
 mkdir -p "$OUT/back"
 cp "$OUT"/pair/state_*.pt "$OUT"/pair/run_key_*.json "$OUT"/pair/train_log_*.json "$OUT/back/"
-cp -r "$OUT/pair/ckpt_dspine" "$OUT/back/"
+cp -r "$OUT/pair/ckpt_dspine" "$OUT/pair/ckpt_ablation" "$OUT/back/"   # both: the served comparison needs the pair
 # DSPINE_ACCEPT=0 (a leg whose minutes all go to training: its curve is the train logs' held-out tau)
 [ "${DSPINE_ACCEPT:-1}" = 0 ] || cp -r "$OUT/pair/acceptance_smollm2.json" "$OUT/pair/acc" "$OUT/back/"
 python3 -m dspine.bench.learning_curves --run "dspine=$OUT/back/train_log_dspine.json" \
