@@ -154,3 +154,38 @@ def test_the_held_out_split_never_takes_a_training_record_when_the_file_grows():
     assert not {r["id"] for r in held2} & {r["id"] for r in rest}                        # never a trained-on one
     assert {r["id"] for r in held2} != {r["id"] for r in held}                           # new records can enter
     assert trainer.split_heldout(list(reversed(recs)), 16)[0] == held                    # by content, not position
+
+
+def test_a_saved_state_exports_the_checkpoint_its_run_exported(tmp_path, tiny_target_dir):  # noqa: F811
+    """`python -m dspine.train.resume export` on a travel state writes the weights, config and target
+    identity the run's own export wrote at that step; a target of another fingerprint is refused."""
+    from safetensors.torch import load_file
+
+    from dspine.train import resume
+
+    cfg = _config(tmp_path, tiny_target_dir, steps=5)
+    trainer.train(cfg, device="cpu", progress=False)
+    run = tmp_path / "run"
+    assert resume.main(["travel", str(run / "state.pt"), str(tmp_path / "travel.pt")]) == 0
+    out = tmp_path / "exported"
+    assert resume.main(["export", str(tmp_path / "travel.pt"), str(out), "--target", str(tiny_target_dir),
+                        "--trained-on", "CPU"]) == 0
+
+    def weights(folder):
+        return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    ours, theirs = weights(out), weights(run / "checkpoint")
+    assert ours.keys() == theirs.keys() and ours
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    ours_cfg, theirs_cfg = (json.loads((d / "config.json").read_text()) for d in (out, run / "checkpoint"))
+    assert ours_cfg["dspine_config"] == theirs_cfg["dspine_config"]
+    assert ours_cfg["dspine_target"]["fingerprint"] == theirs_cfg["dspine_target"]["fingerprint"]
+    assert {k: v for k, v in ours_cfg["dspine_training"].items() if k != "data"} \
+        == {k: v for k, v in theirs_cfg["dspine_training"].items() if k != "data"}
+
+    state = torch.load(tmp_path / "travel.pt", weights_only=False)
+    state["key"] = {**state["key"], "target": "0" * 16}
+    with pytest.raises(TrainConfigError, match="fingerprint 0000000000000000.*Fix: pass the folder"):
+        resume.export_state(state, tmp_path / "refused", str(tiny_target_dir), "CPU")
+    assert not (tmp_path / "refused").exists()

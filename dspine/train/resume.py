@@ -120,22 +120,72 @@ def travel_state(state: dict) -> dict:
     return {name: value for name, value in state.items() if name != "optimizer"}
 
 
+def export_state(state: dict, out: Path, target: str | None, trained_on: str, steps: int | None = None) -> Path:
+    """A training state (full or travel) as the drafter checkpoint its run would export at its step
+    (`trainer.export_drafter`), against `target` (a folder or hub id; None: the packaged default),
+    whose fingerprint must be the one the run trained against (TrainConfigError naming both).
+    `steps`: the run's schedule length for the checkpoint's config (a state keeps its step, not its
+    schedule; default: that step, a finished run)."""
+    from dspine.engine.targets import load_target, mask_token_candidate, target_identity
+    from dspine.model.config import DSpineConfig
+    from dspine.model.drafter import DSpineDrafter
+    from dspine.train.trainer import export_drafter
+
+    key = state["key"]
+    model, tokenizer = load_target(target)
+    identity = target_identity(model.config, target)
+    if identity["fingerprint"] != key["target"]:
+        raise TrainConfigError(f"the state trained against target fingerprint {key['target']}; --target "
+                               f"{target or 'default'} has {identity['fingerprint']}. Fix: pass the folder (or hub id) "
+                               "of the target the run trained against")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(data="", run_dir="", steps=steps or state["step"],
+                      **{k: v for k, v in key["config"].items() if k in fields})
+    drafter = DSpineDrafter(DSpineConfig.for_target(model.config, mask_token_id=mask_token_candidate(tokenizer),
+                                                    **cfg.drafter))
+    drafter.load_state_dict(state["model"])
+    drafter.attach_target(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    return export_drafter(drafter, out, cfg, log=state.get("log", []), key=key, step=state["step"], identity=identity,
+                          world=1, trained_on=trained_on, data=f"{key['data']} ({key['records']} sequences)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m dspine.train.resume",
-        description="Write a run's travel state: its state.pt without the optimizer's moments (a third of the "
-                    "size). Put it in place of RUN_DIR/state.pt (with run_key.json beside it) on another host; "
-                    "`dspine train` resumes it at the same step with AdamW's moments restarted.")
+        description="A run's saved state, for another host or as a checkpoint. `travel`: its state.pt without the "
+                    "optimizer's moments (a third of the size); put it in place of RUN_DIR/state.pt (with "
+                    "run_key.json beside it) on another host and `dspine train` resumes it at the same step with "
+                    "AdamW's moments restarted. `export`: the drafter checkpoint of a state (full or travel), as "
+                    "its run would have exported it at that step.")
     sub = p.add_subparsers(dest="command", required=True)
     travel = sub.add_parser("travel", help="STATE -> OUT without the optimizer")
     travel.add_argument("state", type=Path, help="a run's state.pt")
     travel.add_argument("out", type=Path, help="the travel state to write (e.g. .gpu-state/state.pt)")
+    export = sub.add_parser("export", help="STATE -> a drafter checkpoint folder OUT (bench-accept, serving)")
+    export.add_argument("state", type=Path, help="a run's state.pt or a travel state")
+    export.add_argument("out", type=Path, help="the checkpoint folder to write (replaced if it exists)")
+    export.add_argument("--target", default=None,
+                        help="the target the run trained against: a folder or hub id (default: the packaged "
+                             "SmolLM2-135M-Instruct); its fingerprint must match the state's")
+    export.add_argument("--trained-on", default="unknown device", metavar="NAME",
+                        help="the device the run trained on, for the model card (e.g. 'NVIDIA H200'): a state "
+                             "does not record it")
+    export.add_argument("--steps", type=int, default=None,
+                        help="the run's schedule length, for the checkpoint's config (default: the state's step, "
+                             "i.e. a finished run)")
     args = p.parse_args(argv)
     if not args.state.is_file():
         p.error(f"{args.state} is not a file: name a run directory's state.pt")
     state = torch.load(args.state, map_location="cpu", weights_only=False)
     if "model" not in state or "step" not in state:
         p.error(f"{args.state} is not a training state (it has no model weights and step)")
+    if args.command == "export":
+        try:
+            path = export_state(state, args.out, args.target, args.trained_on, args.steps)
+        except TrainConfigError as e:
+            p.error(str(e))
+        print(f"{path}: the drafter at step {state['step']}")
+        return 0
     lean = travel_state(state)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, lambda f: None, check=lambda tmp: torch.save(lean, tmp))

@@ -85,17 +85,38 @@ def check_data_target(records: list[dict], identity: dict, data: str | os.PathLi
               f"{identity['name']!r}", file=sys.stderr)
 
 
-def training_card(log: list[dict], key: dict, step: int, device: str, world: int) -> dict:
+def device_name(device: str) -> str:
+    """The GPU's name for "cuda..." devices, else "CPU"."""
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "CPU"
+
+
+def training_card(log: list[dict], key: dict, step: int, devices: str) -> dict:
     """The model card's training record: the data file's hash and size, the code version, and the
-    budget as of the last log entry (steps, label tokens seen, device-minutes on which devices; a
-    warm-started run counts from its own start, `warm_start.json` says from what)."""
+    budget as of the last log entry (steps, label tokens seen, device-minutes on `devices`, e.g.
+    "1 x NVIDIA H200"; a warm-started run counts from its own start, `warm_start.json` says from what)."""
     from dspine import __version__
 
     last = log[-1] if log else {}
-    name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "CPU"
     return {"data_hash": f"{key['data']} ({key['records']} sequences)", "code_version": f"dspine {__version__}",
             "budget": {"steps": step, "label tokens seen": last.get("labels_seen", 0),
-                       "device-minutes": round(last.get("device_seconds", 0.0) / 60, 1), "devices": f"{world} x {name}"}}
+                       "device-minutes": round(last.get("device_seconds", 0.0) / 60, 1), "devices": devices}}
+
+
+def export_drafter(model: DSpineDrafter, path: Path, cfg: TrainConfig, *, log: list[dict], key: dict, step: int,
+                   identity: dict, world: int, trained_on: str, data: str) -> Path:
+    """`model` as a drafter checkpoint folder at `path` (bf16 shards of `cfg.export_shard_bytes`, the
+    target's `identity`, the card's training record on `world` x `trained_on` devices,
+    `dspine_training`: the data it read, steps, step, batch shape, seed), left in train mode. The
+    trainer's export and `python -m dspine.train.resume export` both write it."""
+    model.eval()
+    save_checkpoint(model, path, dtype=torch.bfloat16, max_shard_bytes=cfg.export_shard_bytes, target=identity,
+                    card=training_card(log, key, step, f"{world} x {trained_on}"),
+                    extra_config={"dspine_training": {
+                        "data": data, "steps": cfg.steps, "step": step, "batch_size": cfg.batch_size,
+                        "grad_accum_steps": cfg.grad_accum_steps, "world_size": world,
+                        "blocks_per_seq": cfg.blocks_per_seq, "seed": cfg.seed}})
+    model.train()
+    return path
 
 
 WHAT_IT_DID = {"resume": "resumed", "new-data": "resumed on new data (same optimizer and schedule)",
@@ -449,14 +470,8 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
     def export_checkpoint() -> Path:
         export = run_dir / "checkpoint"
         if dist.main:
-            model.eval()
-            save_checkpoint(model, export, dtype=torch.bfloat16, max_shard_bytes=cfg.export_shard_bytes,
-                            target=identity, card=training_card(log, key, step, device, dist.world),
-                            extra_config={"dspine_training": {
-                                "data": str(cfg.data), "steps": cfg.steps, "step": step, "batch_size": cfg.batch_size,
-                                "grad_accum_steps": cfg.grad_accum_steps, "world_size": dist.world,
-                                "blocks_per_seq": cfg.blocks_per_seq, "seed": cfg.seed}})
-            model.train()
+            export_drafter(model, export, cfg, log=log, key=key, step=step, identity=identity, world=dist.world,
+                           trained_on=device_name(device), data=str(cfg.data))
             print(f"dspine train: exported {export} (step {step} of {cfg.steps})")
         dist.barrier()
         return export
