@@ -135,8 +135,8 @@ def merge_switch_runs(runs: list[dict]) -> dict:
     (e.g. AR with DSPINE-plain on one host, AR with DSPINE-dynamic and AR with DSPINE-static on
     another: every run carries its own AR pass, so each parity block is against AR of its run).
     A config's parity block and levels come from the last run that served it (AR's levels from the
-    first run); errors add up;
-    `sources` keeps each run's command, device and date. Runs on other targets are refused."""
+    first run); errors add up; `sources` keeps each run's command, device and date. Runs of other
+    targets or drafters are refused."""
     pairs = {(run.get("target"), run.get("drafter")) for run in runs}
     if len(pairs) != 1:
         raise BenchError(f"--hybrid-switch files name different targets or drafters {sorted(map(str, pairs))}. "
