@@ -162,6 +162,7 @@ def test_a_saved_state_exports_the_checkpoint_its_run_exported(tmp_path, tiny_ta
     from safetensors.torch import load_file
 
     from dspine.train import resume
+    from dspine.train.export import export_state
 
     cfg = _config(tmp_path, tiny_target_dir, steps=5)
     trainer.train(cfg, device="cpu", progress=False)
@@ -187,5 +188,5 @@ def test_a_saved_state_exports_the_checkpoint_its_run_exported(tmp_path, tiny_ta
     state = torch.load(tmp_path / "travel.pt", weights_only=False)
     state["key"] = {**state["key"], "target": "0" * 16}
     with pytest.raises(TrainConfigError, match="fingerprint 0000000000000000.*Fix: pass the folder"):
-        resume.export_state(state, tmp_path / "refused", str(tiny_target_dir), "CPU")
+        export_state(state, tmp_path / "refused", str(tiny_target_dir), "CPU")
     assert not (tmp_path / "refused").exists()

@@ -120,35 +120,6 @@ def travel_state(state: dict) -> dict:
     return {name: value for name, value in state.items() if name != "optimizer"}
 
 
-def export_state(state: dict, out: Path, target: str | None, trained_on: str, steps: int | None = None) -> Path:
-    """A training state (full or travel) as the drafter checkpoint its run would export at its step
-    (`trainer.export_drafter`), against `target` (a folder or hub id; None: the packaged default),
-    whose fingerprint must be the one the run trained against (TrainConfigError naming both).
-    `steps`: the run's schedule length for the checkpoint's config (a state keeps its step, not its
-    schedule; default: that step, a finished run)."""
-    from dspine.engine.targets import load_target, mask_token_candidate, target_identity
-    from dspine.model.config import DSpineConfig
-    from dspine.model.drafter import DSpineDrafter
-    from dspine.train.trainer import export_drafter
-
-    key = state["key"]
-    model, tokenizer = load_target(target)
-    identity = target_identity(model.config, target)
-    if identity["fingerprint"] != key["target"]:
-        raise TrainConfigError(f"the state trained against target fingerprint {key['target']}; --target "
-                               f"{target or 'default'} has {identity['fingerprint']}. Fix: pass the folder (or hub id) "
-                               "of the target the run trained against")
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = TrainConfig(data="", run_dir="", steps=steps or state["step"],
-                      **{k: v for k, v in key["config"].items() if k in fields})
-    drafter = DSpineDrafter(DSpineConfig.for_target(model.config, mask_token_id=mask_token_candidate(tokenizer),
-                                                    **cfg.drafter))
-    drafter.load_state_dict(state["model"])
-    drafter.attach_target(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-    return export_drafter(drafter, out, cfg, log=state.get("log", []), key=key, step=state["step"], identity=identity,
-                          world=1, trained_on=trained_on, data=f"{key['data']} ({key['records']} sequences)")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m dspine.train.resume",
@@ -181,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{args.state} is not a training state (it has no model weights and step)")
     if args.command == "export":
         try:
+            from dspine.train.export import export_state
+
             path = export_state(state, args.out, args.target, args.trained_on, args.steps)
         except TrainConfigError as e:
             p.error(str(e))
