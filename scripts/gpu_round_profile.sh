@@ -17,7 +17,8 @@
 #                  (the bundle built --with-model smollm2, $SMOLLM2) with the shipped drafter, the five
 #                  dev sets mixed as prompts (PROMPT_TOKENS ignored; DSPINE_PROMPTS_DIR, which
 #                  gpu_host_sglang.sh sets), 256-token answers; configs DSPINE, DSPINE-copy (the shipped
-#                  drafter with copy candidates), AR and NGRAM; C e.g. 1,16
+#                  drafter with copy candidates), AR and NGRAM; C e.g. 1,16. The checkpoint is copied only
+#                  for DSPINE configs, so AR and NGRAM can run in a call that does not carry it
 #   WORKLOADS      (environment, smollm2-135m) the workloads each server is measured on, in turn
 #                  (default "mix"; e.g. "mix trace:/tmp/agentic/agentic_coding.jsonl" adds the
 #                  coding-agent sessions of `python -m dspine.data.agentic`, 2k-6k-token contexts)
@@ -52,10 +53,12 @@ case $SHAPE in
     TARGET=${SMOLLM2:?no SMOLLM2: stage the bundle built --with-model smollm2}
     [ -f "$TARGET/config.json" ] || { log "no SmolLM2 at $TARGET: stage the bundle built --with-model smollm2"; exit 1; }
     DRAFT=$SHAPES/dspine COPY_DRAFT=$SHAPES/dspine-copy   # copies: later calls may carry no checkpoint
-    rm -rf "$DRAFT" && mkdir -p "$SHAPES" && cp -r dspine/checkpoints/dspine-smollm2-135m-instruct "$DRAFT" || exit 1
-    python3 -c "import sys; from pathlib import Path; from dspine.bench.copy_candidates import make_variant
+    if [[ " ${CONFIGS:-DSPINE AR} " == *" DSPINE"* ]]; then   # AR and NGRAM alone need no checkpoint
+      rm -rf "$DRAFT" && mkdir -p "$SHAPES" && cp -r dspine/checkpoints/dspine-smollm2-135m-instruct "$DRAFT" || exit 1
+      python3 -c "import sys; from pathlib import Path; from dspine.bench.copy_candidates import make_variant
 make_variant(Path(sys.argv[1]), Path(sys.argv[2]), {})" \
-      "$DRAFT" "$COPY_DRAFT" >> "$OUT/progress.txt" 2>&1 || exit 1
+        "$DRAFT" "$COPY_DRAFT" >> "$OUT/progress.txt" 2>&1 || exit 1
+    fi
     COMMON=(--model-path "$TARGET" --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.3
             --cuda-graph-max-bs-decode 64)
     WORKLOAD=(--prompts-dir "${DSPINE_PROMPTS_DIR:?DSPINE_PROMPTS_DIR: exported evaluation prompts}" --max-tokens 256
