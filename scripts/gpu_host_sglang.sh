@@ -12,6 +12,8 @@
 #   dspine_bg NAME 'shell command'                    # run in the background, outliving the call
 #   dspine_wait NAME SECONDS                          # wait for it; prints its status and log tail
 #   dspine_collect DIR [FIRST]                        # DIR's files into $OUT, within a call's limits
+#   dspine_stage_model DIR                            # after stage_site.sh: the model's GGUF chunks in DIR
+#                                                     # (any number per call); the last builds $SMOLLM2
 #
 # Only the `dspine` package goes on SGLang's path (a link in /tmp/dspine-src), not the repository
 # root. SGLang finds plugins through entry points, so a two-file dist-info beside the link stands in
@@ -100,4 +102,22 @@ dspine_collect() {
   cp "$pack/$name.pieces.json" "$OUT/"
   find "$pack" -name "$name.part*" | sort | tail -n "+$((first + 1))" | head -n 7 | xargs -r cp -t "$OUT/"
   echo "dspine_collect: $dir as $n pieces of $name; this call pieces $first..$(( first + 7 < n ? first + 6 : n - 1 ))$( (( first + 7 < n )) && echo "; next call: dspine_collect $dir $((first + 7))")"
+}
+
+dspine_stage_model() {
+  # stage_site.sh brings SGLang in one call but no model. The bundle's GGUF chunks (.gpu/partN/*.gguf.NN,
+  # ~25 MB each) then travel in a few calls, each carrying .gpu/host and a folder DIR of some chunks:
+  # they are stashed in /tmp/gguf-chunks, and once every chunk .gpu/host/manifest.txt lists is there,
+  # joined, checked against the manifest's sha256 and turned into the Hugging Face folder $SMOLLM2.
+  local dir=${1:?dspine_stage_model DIR (a folder of GGUF chunks)} stash=/tmp/gguf-chunks manifest=.gpu/host/manifest.txt
+  local name gguf sha missing
+  [ -f "$manifest" ] || { echo "dspine_stage_model: no $manifest: carry .gpu/host" >&2; return 1; }
+  mkdir -p "$stash" && cp "$dir"/*.gguf.[0-9]* "$stash"/ || return 1
+  read -r _ name gguf _ sha < <(grep '^model ' "$manifest" | head -n 1)
+  [ -n "$gguf" ] || { echo "dspine_stage_model: the bundle has no model (build it --with-model smollm2)" >&2; return 1; }
+  missing=$(awk -v g="$gguf" '$1 == "file" && index($3, g ".") == 1 {print $3}' "$manifest" |
+            while read -r f; do [ -f "$stash/$f" ] || printf '%s ' "$f"; done)
+  if [ -n "$missing" ]; then echo "dspine_stage_model: chunks still to send: $missing"; return 0; fi
+  cat "$stash/$gguf".[0-9]* > "$stash/$gguf" && echo "$sha  $stash/$gguf" | sha256sum --quiet -c - || return 1
+  python3 .gpu/host/gguf_to_hf.py "$stash/$gguf" "$SMOLLM2" < /dev/null && rm -f "$stash/$gguf"
 }
