@@ -7,6 +7,7 @@
 #
 #   bash scripts/gpu_campaign_leg.sh OUT RECORDS SECONDS [RESUME]
 #   DSPINE_CAMPAIGN_STEPS=N    the schedule's length in steps (default 800; see CAMPAIGN_STEPS)
+#   DSPINE_CAMPAIGN_SET='k=v ...'  the trainer settings of a new campaign (default: CAMPAIGN_SET below)
 #
 #   RECORDS         one or more record folders, ':'-separated, in a fixed order: each either the pieces
 #                   of records.tar.xz (with records.tar.xz.pieces.json, as dspine_collect sends them back)
@@ -34,7 +35,9 @@ RESUME=${4:-}
 # leg leaves a finished drafter; a later leg lengthens it (DSPINE_CAMPAIGN_STEPS=1600 ...: steps are not
 # part of the run key, the schedule then rises again and decays toward the new end).
 CAMPAIGN_STEPS=${DSPINE_CAMPAIGN_STEPS:-800}
-CAMPAIGN_SET='max_len=4096 blocks_per_seq=128 cudnn_attention=true layer_loss_fraction=0.25 length_group_batches=16'
+# DSPINE_CAMPAIGN_SET replaces them for a new campaign (e.g. blocks_per_seq=32: more optimizer updates per
+# label; the first leg's 800 updates of 4,096 blocks fell short of the shipped run's 2,000 of 512).
+CAMPAIGN_SET=${DSPINE_CAMPAIGN_SET:-'max_len=4096 blocks_per_seq=128 cudnn_attention=true layer_loss_fraction=0.25 length_group_batches=16'}
 # shellcheck source=/dev/null
 source scripts/gpu_host_sglang.sh
 mkdir -p "$OUT"
