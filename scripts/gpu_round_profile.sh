@@ -31,7 +31,7 @@
 # OUT: rounds.json (ms per step, host ms and the profiler's ms per scheduler method), pyspy_<CONFIG>.txt
 # (collapsed stacks), pyspy_<CONFIG>_top.txt (inclusive shares of the 40 heaviest frames), logs/.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${1:?OUT folder}; TOKENIZER=${2:?TOKENIZER_DIR}; WHEEL=${3:?PY_SPY_WHEEL}; C=${4:-32}; TOKENS=${5:-2000}
 # shellcheck source=/dev/null
 source scripts/gpu_host_sglang.sh || exit 1
