@@ -29,7 +29,9 @@
 # and with a single level, record the scheduler process with py-spy for 12 s at 200 Hz while the
 # phase runs (raw collapsed stacks).
 # OUT: rounds.json (ms per step, host ms and the profiler's ms per scheduler method), pyspy_<CONFIG>.txt
-# (collapsed stacks), pyspy_<CONFIG>_top.txt (inclusive shares of the 40 heaviest frames), logs/.
+# (collapsed stacks), pyspy_<CONFIG>_top.txt (inclusive shares of the 40 heaviest frames),
+# profiles/<CONFIG>/<pid>-phase<i>.txt (the step profiler's cProfile top functions, decode steps 630-1230 of
+# each level: where the scheduler's host time goes, function by function), logs/.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${1:?OUT folder}; TOKENIZER=${2:?TOKENIZER_DIR}; WHEEL=${3:?PY_SPY_WHEEL}; C=${4:-32}; TOKENS=${5:-2000}
@@ -115,6 +117,7 @@ PY
   fi
   wait "$load"
   log "$name rounds: exit $? ($(tail -n 3 "$LOGS/rounds_$name.txt" | tr '\n' ' '))"
+  mkdir -p "$OUT/profiles/$name" && cp "$PROF/$name"/*.txt "$OUT/profiles/$name/" 2>/dev/null   # cProfile tops
   kill -TERM -- "-$pid" 2>/dev/null
   for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
   kill -KILL -- "-$pid" 2>/dev/null
