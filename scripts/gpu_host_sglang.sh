@@ -21,7 +21,7 @@
 # shellcheck shell=bash
 # shellcheck source=/dev/null
 source .gpu/host/env.sh || return 1
-DSPINE_SRC=/tmp/dspine-src
+DSPINE_SRC=${DSPINE_SRC:-/tmp/dspine-src}
 mkdir -p "$DSPINE_SRC/dspine-0.1.0.dist-info"
 ln -sfn "$PWD/dspine" "$DSPINE_SRC/dspine"
 printf 'Metadata-Version: 2.1\nName: dspine\nVersion: 0.1.0\n' > "$DSPINE_SRC/dspine-0.1.0.dist-info/METADATA"
@@ -107,9 +107,10 @@ dspine_collect() {
 dspine_stage_model() {
   # stage_site.sh brings SGLang in one call but no model. The bundle's GGUF chunks (.gpu/partN/*.gguf.NN,
   # ~25 MB each) then travel in a few calls, each carrying .gpu/host and a folder DIR of some chunks:
-  # they are stashed in /tmp/gguf-chunks, and once every chunk .gpu/host/manifest.txt lists is there,
-  # joined, checked against the manifest's sha256 and turned into the Hugging Face folder $SMOLLM2.
-  local dir=${1:?dspine_stage_model DIR (a folder of GGUF chunks)} stash=/tmp/gguf-chunks manifest=.gpu/host/manifest.txt
+  # they are stashed in $DSPINE_GGUF_STASH (/tmp/gguf-chunks), and once every chunk .gpu/host/manifest.txt
+  # lists is there, joined, checked against the manifest's sha256 and turned into the Hugging Face folder $SMOLLM2.
+  local dir=${1:?dspine_stage_model DIR (a folder of GGUF chunks)} manifest=.gpu/host/manifest.txt
+  local stash=${DSPINE_GGUF_STASH:-/tmp/gguf-chunks}
   local name gguf sha missing
   [ -f "$manifest" ] || { echo "dspine_stage_model: no $manifest: carry .gpu/host" >&2; return 1; }
   mkdir -p "$stash" && cp "$dir"/*.gguf.[0-9]* "$stash"/ || return 1
@@ -118,6 +119,11 @@ dspine_stage_model() {
   missing=$(awk -v g="$gguf" '$1 == "file" && index($3, g ".") == 1 {print $3}' "$manifest" |
             while read -r f; do [ -f "$stash/$f" ] || printf '%s ' "$f"; done)
   if [ -n "$missing" ]; then echo "dspine_stage_model: chunks still to send: $missing"; return 0; fi
-  cat "$stash/$gguf".[0-9]* > "$stash/$gguf" && echo "$sha  $stash/$gguf" | sha256sum --quiet -c - || return 1
+  cat "$stash/$gguf".[0-9]* > "$stash/$gguf" || return 1
+  if ! echo "$sha  $stash/$gguf" | sha256sum --quiet -c - 2>/dev/null; then
+    rm -f "$stash/$gguf" "$stash/$gguf".[0-9]*
+    echo "dspine_stage_model: the joined $gguf does not match the manifest's sha256: send every chunk again" >&2
+    return 1
+  fi
   python3 .gpu/host/gguf_to_hf.py "$stash/$gguf" "$SMOLLM2" < /dev/null && rm -f "$stash/$gguf"
 }
