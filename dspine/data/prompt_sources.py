@@ -1,4 +1,6 @@
-"""Training prompts: ShareGPT train-split opening turns (~70%) and synthetic code/math prompts.
+"""Training prompts: ShareGPT train-split opening turns (~70%) and synthetic code/math prompts by
+default; opt-in, the package sources of `dspine.data.package_prompts` (MATH test minus MATH-500,
+OpenAI evals tasks, LeetCode) beside them (`sources`, `PROMPT_SOURCES`).
 
 Invariants: training prompts never contain an evaluation question (`training_prompts` drops
 every text `dspine.data.eval_sets.EvalIndex` flags); held-out ShareGPT conversations are never
@@ -13,6 +15,7 @@ import hashlib
 import importlib.metadata
 import json
 import random
+from collections.abc import Iterable
 from pathlib import Path
 
 from dspine.data.eval_sets import (
@@ -24,7 +27,15 @@ from dspine.data.eval_sets import (
     eval_index,
     load_eval_set,
 )
-from dspine.data.prompts import Prompt, exported_prompts, package_file, read_bytes, save_prompts, user_message
+from dspine.data.package_prompts import PACKAGE_SOURCES, package_dir
+from dspine.data.prompts import (
+    Prompt,
+    exported_prompts,
+    package_file,
+    read_bytes,
+    save_prompts,
+    user_message,
+)
 from dspine.data.sharegpt import (
     HELDOUT_PER_MILLE,
     MAX_PROMPT_CHARS,
@@ -34,7 +45,9 @@ from dspine.data.sharegpt import (
 )
 from dspine.utils.atomic import write_json_atomic
 
-SYNTHETIC_SHARE = 0.3  # of training prompts; the rest is ShareGPT
+SYNTHETIC_SHARE = 0.3  # of training prompts when "synthetic" is a source; the rest is the other sources
+PROMPT_SOURCES = ("sharegpt", "synthetic", *PACKAGE_SOURCES)  # the order sources are sampled and listed in
+DEFAULT_SOURCES = ("sharegpt", "synthetic")  # the mix the shipped drafter was trained on
 
 _CODE_TASKS = (
     "parses a query string such as `a=1&b=two&b=3` into a dict mapping each key to a list of values",
@@ -209,34 +222,79 @@ def synthetic_prompts(n: int, seed: int = 0) -> list[Prompt]:
     return code + [Prompt(_synthetic_id("math", t), user_message(t), "synthetic-math") for t in math]
 
 
-def training_prompts(n: int | None = None, seed: int = 0, *, data_dir: str | Path | None = None,
-                     prompts_dir: str | Path | None = None) -> list[Prompt]:
-    """Training prompts: ~70% ShareGPT train-split opening turns, ~30% synthetic code/math.
+def check_sources(sources: str | Iterable[str]) -> tuple[str, ...]:
+    """`sources` (names of PROMPT_SOURCES, or one comma-separated string of them; any order, repeats
+    allowed) in PROMPT_SOURCES order; ValueError naming the valid ones for an unknown name or none."""
+    if isinstance(sources, str):
+        sources = sources.split(",")
+    chosen = {s.strip() for s in sources if s.strip()}
+    unknown = sorted(chosen - set(PROMPT_SOURCES))
+    if unknown or not chosen:
+        raise ValueError(f"unknown prompt source(s) {unknown or 'none given'}; "
+                         f"choose from {', '.join(PROMPT_SOURCES)}.")
+    return tuple(s for s in PROMPT_SOURCES if s in chosen)
 
-    `n=None` takes every usable ShareGPT train prompt and adds synthetic ones to reach the 30%
-    share. Prompts that equal or contain an evaluation question (the sets in `data_dir`) are
-    dropped before sampling. Deterministic for `seed`; the result is shuffled and has unique ids
-    and texts. With `prompts_dir`, the first n of its `train.jsonl` export.
+
+def _split(n: int, sizes: dict[str, int]) -> dict[str, int]:
+    """`n` apportioned to the sources in proportion to `sizes` (largest remainders, ties in order)."""
+    total = sum(sizes.values())
+    if total == 0:
+        return dict.fromkeys(sizes, 0)
+    exact = {name: n * size / total for name, size in sizes.items()}
+    counts = {name: int(x) for name, x in exact.items()}
+    by_remainder = sorted(sizes, key=lambda name: counts[name] - exact[name])
+    for name in by_remainder[: n - sum(counts.values())]:
+        counts[name] += 1
+    return counts
+
+
+def training_prompts(n: int | None = None, seed: int = 0, *, data_dir: str | Path | None = None,
+                     prompts_dir: str | Path | None = None,
+                     sources: str | Iterable[str] = DEFAULT_SOURCES) -> list[Prompt]:
+    """Training prompts from `sources` (PROMPT_SOURCES names): by default ~70% ShareGPT train-split
+    opening turns and ~30% synthetic code/math.
+
+    "synthetic" always makes SYNTHETIC_SHARE of the result; the other sources share the rest in
+    proportion to their sizes (a stratified sample; `n=None` takes all of them and adds synthetic
+    prompts to reach their share). Prompts that equal or contain an evaluation question (the sets in
+    `data_dir`) are dropped before sampling, and so is a text an earlier source already holds.
+    Deterministic for `seed`; the result is shuffled and has unique ids and texts. With
+    `prompts_dir`, the first n of its `train.jsonl` export (whose sources were fixed when it was
+    written: `sources` must then be the default).
     """
+    sources = check_sources(sources)
+    if sources == ("synthetic",):
+        raise ValueError(f"synthetic prompts make {SYNTHETIC_SHARE:.0%} of a mix; choose another source beside them.")
     exported = exported_prompts(prompts_dir, "train")
     if exported is not None:
+        if sources != DEFAULT_SOURCES:
+            raise ValueError(f"prompt sources {list(sources)} with prompts_dir {prompts_dir}: an export's sources "
+                             "were fixed when it was written (export_prompts(..., sources=...)); drop one of them.")
         return exported[:n]
     index = eval_index(data_dir)
-    sharegpt = [p for p in sharegpt_openers()["train"] if not index.contaminated(p.text)]
+    pools: dict[str, list[Prompt]] = {}
+    seen: set[str] = set()
+    for name in (s for s in sources if s != "synthetic"):
+        if name == "sharegpt":
+            found = [p for p in sharegpt_openers()["train"] if not index.contaminated(p.text)]
+        else:
+            found = PACKAGE_SOURCES[name].load(data_dir)
+        pools[name] = [p for p in found if p.text not in seen]
+        seen.update(p.text for p in pools[name])
+    size = sum(len(pool) for pool in pools.values())
+    synthetic_share = SYNTHETIC_SHARE if "synthetic" in sources else 0.0
     if n is None:
-        n_sharegpt = len(sharegpt)
-        n_synthetic = round(n_sharegpt * SYNTHETIC_SHARE / (1 - SYNTHETIC_SHARE))
+        counts = {name: len(pool) for name, pool in pools.items()}
+        n_synthetic = round(size * synthetic_share / (1 - synthetic_share))
     else:
-        n_synthetic = round(n * SYNTHETIC_SHARE)
-        n_sharegpt = n - n_synthetic
-        if n_sharegpt > len(sharegpt):
-            limit = int(len(sharegpt) / (1 - SYNTHETIC_SHARE))
-            raise ValueError(
-                f"n={n} needs {n_sharegpt} ShareGPT prompts but only {len(sharegpt)} are usable; "
-                f"use n <= {limit} or n=None."
-            )
+        n_synthetic = round(n * synthetic_share)
+        counts = _split(n - n_synthetic, {name: len(pool) for name, pool in pools.items()})
+        if n - n_synthetic > size:
+            limit = int(size / (1 - synthetic_share))
+            raise ValueError(f"n={n} needs {n - n_synthetic} prompts from {list(pools)} but only {size} are usable; "
+                             f"use n <= {limit} or n=None.")
     rng = random.Random(seed)
-    chosen = rng.sample(sharegpt, n_sharegpt)
+    chosen = [p for name, pool in pools.items() for p in rng.sample(pool, counts[name])]
     synthetic = synthetic_prompts(n_synthetic, seed)
     leaked = [p.text for p in synthetic if index.contaminated(p.text)]
     if leaked:
@@ -247,18 +305,20 @@ def training_prompts(n: int | None = None, seed: int = 0, *, data_dir: str | Pat
 
 
 def export_prompts(out_dir: str | Path, n_train: int | None, n_eval: int | None, seed: int = 0, *,
-                   data_dir: str | Path | None = None) -> None:
-    """Write `train.jsonl` and `eval-<set>.jsonl` (plus `sources.json`), the folder `prompts_dir` reads."""
+                   data_dir: str | Path | None = None, sources: str | Iterable[str] = DEFAULT_SOURCES) -> None:
+    """Write `train.jsonl` (from `sources`) and `eval-<set>.jsonl` (plus `sources.json`), the folder
+    `prompts_dir` reads."""
     out = Path(out_dir)
-    save_prompts(out / "train.jsonl", training_prompts(n_train, seed=seed, data_dir=data_dir))
+    save_prompts(out / "train.jsonl", training_prompts(n_train, seed=seed, data_dir=data_dir, sources=sources))
     for name in EVAL_SETS:
         save_prompts(out / f"eval-{name}.jsonl", load_eval_set(name, n_eval, data_dir=data_dir))
-    write_json_atomic(out / "sources.json", describe_prompt_sources(data_dir=data_dir))
+    write_json_atomic(out / "sources.json", describe_prompt_sources(data_dir=data_dir, sources=sources))
 
 
-def describe_prompt_sources(*, data_dir: str | Path | None = None, prompts_dir: str | Path | None = None) -> dict:
-    """Which files, package versions, split rule and mix produced the prompts (for result files);
-    with `prompts_dir`, the `sources.json` of that export."""
+def describe_prompt_sources(*, data_dir: str | Path | None = None, prompts_dir: str | Path | None = None,
+                            sources: str | Iterable[str] = DEFAULT_SOURCES) -> dict:
+    """Which files, package versions, split rule and mix (`sources`) produced the prompts (for result
+    files); with `prompts_dir`, the `sources.json` of that export."""
     if prompts_dir is not None and (Path(prompts_dir) / "sources.json").is_file():
         return {"exported_to": str(prompts_dir), **json.loads((Path(prompts_dir) / "sources.json").read_text())}
 
@@ -269,7 +329,18 @@ def describe_prompt_sources(*, data_dir: str | Path | None = None, prompts_dir: 
     def packaged(spec: tuple[str, str, str]) -> dict:
         return {"file": str(package_file(*spec)), "package": f"{spec[1]}=={importlib.metadata.version(spec[1])}"}
 
+    sources = check_sources(sources)
     sharegpt = packaged(SHAREGPT_FILE)
+    training: dict = {}
+    if "sharegpt" in sources:
+        training["sharegpt"] = {**sharegpt, "split": "train (complement of sharegpt-heldout)"}
+    if "synthetic" in sources:
+        training["synthetic"] = {"code_tasks": len(_CODE_TASKS), "math_templates": _MATH_KINDS,
+                                 "share": SYNTHETIC_SHARE}
+    for name in sources:
+        if name in PACKAGE_SOURCES:
+            package = PACKAGE_SOURCES[name].package
+            training[name] = {"package": package.requirement, "folder": str(package_dir(package))}
     split_rule = f"sha256(base id without '_<part>')[:8] % 1000 < {HELDOUT_PER_MILLE} -> held out"
     return {
         "eval_sets": {
@@ -280,8 +351,7 @@ def describe_prompt_sources(*, data_dir: str | Path | None = None, prompts_dir: 
             "sharegpt-heldout": {**sharegpt, "split": split_rule},
         },
         "training": {
-            "sharegpt": {**sharegpt, "split": "train (complement of sharegpt-heldout)"},
-            "synthetic": {"code_tasks": len(_CODE_TASKS), "math_templates": _MATH_KINDS, "share": SYNTHETIC_SHARE},
+            **training,
             "filters": (
                 f"opening user turn, non-empty, <= {MAX_PROMPT_CHARS} chars, >= {MIN_ASCII_RATIO:.0%} ASCII, "
                 "deduplicated"

@@ -64,7 +64,7 @@ def sharegpt_split(conversation_id: str) -> str:
     return "sharegpt-heldout" if bucket < HELDOUT_PER_MILLE else "train"
 
 
-def _usable(text: str) -> bool:
+def usable_prompt_text(text: str) -> bool:
     """Non-empty, at most MAX_PROMPT_CHARS, and mostly ASCII (a cheap English filter)."""
     if not text or len(text) > MAX_PROMPT_CHARS:
         return False
@@ -86,7 +86,7 @@ def sharegpt_openers() -> dict[str, tuple[Prompt, ...]]:
         if not turns or turns[0].get("from") not in _USER_ROLES:
             continue
         text = turns[0].get("value", "").strip()
-        if not _usable(text) or text in seen:
+        if not usable_prompt_text(text) or text in seen:
             continue
         seen.add(text)
         split = sharegpt_split(conv["id"])

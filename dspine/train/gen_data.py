@@ -2,7 +2,8 @@
 
 DSpine drafters learn to predict the *target's* continuations, so the training answers are the
 target's own (greedy by default). Conversations: the built-in mix (ShareGPT first turns plus
-synthetic code/math prompts, `dspine.data.prompt_sources.training_prompts`) or `--prompts FILE`
+synthetic code/math prompts, and the data packages' prompts chosen with `--prompt-sources`:
+`dspine.data.prompt_sources.training_prompts`) or `--prompts FILE`
 (OpenAI chat or ShareGPT JSONL, `dspine.data.conversations`), decontaminated against the
 evaluation sets and the held-out agentic traces (`gen_data_decontam`, on by default).
 
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from dspine.data.conversations import Conversation, ConversationError, read_conversations
-from dspine.data.prompt_sources import training_prompts
+from dspine.data.prompt_sources import DEFAULT_SOURCES, check_sources, training_prompts
 from dspine.engine.targets import (
     DEFAULT_TARGET,
     load_target,
@@ -61,6 +62,7 @@ BUILTIN_MAX_PROMPT_TOKENS = 384
 DEFAULTS = dict(prompts=None, server=None, concurrency=64, retries=5, retry_backoff=1.0, request_timeout=600.0,
                 drop_server_after=60.0, resume=False, chat_template_kwargs=None, max_len=None, max_prompt_tokens=None,
                 decontaminate=True, heldout_traces=None, data_dir=None, prompts_dir=None, num_prompts=None,
+                prompt_sources=DEFAULT_SOURCES,
                 samples_per_prompt=1, temperature=0.0, top_p=1.0, top_k=0, seed=0, batch_size=256,
                 max_new_tokens=384, target=None, device=None, dtype="bfloat16", quiet=False)
 
@@ -219,8 +221,11 @@ def _check_sampling(args) -> None:
 
 
 def load_conversations(args) -> list[Conversation]:
-    """`--prompts FILE` (its first --num-prompts) or the built-in training prompts."""
+    """`--prompts FILE` (its first --num-prompts) or the built-in training prompts of `--prompt-sources`."""
     if args.prompts:
+        if check_sources(args.prompt_sources) != DEFAULT_SOURCES:
+            raise GenDataError("--prompt-sources chooses the built-in prompts and does nothing with --prompts FILE: "
+                               "drop one of them")
         try:
             conversations, duplicates = read_conversations(args.prompts)
         except ConversationError as exc:
@@ -228,7 +233,11 @@ def load_conversations(args) -> list[Conversation]:
         if duplicates:
             print(f"dspine gen-data: {duplicates} repeated conversation(s) in {args.prompts} read once")
         return conversations[:args.num_prompts]
-    prompts = training_prompts(args.num_prompts, seed=args.seed, data_dir=args.data_dir, prompts_dir=args.prompts_dir)
+    try:
+        prompts = training_prompts(args.num_prompts, seed=args.seed, data_dir=args.data_dir,
+                                   prompts_dir=args.prompts_dir, sources=args.prompt_sources)
+    except (ValueError, FileNotFoundError) as exc:
+        raise GenDataError(str(exc)) from None
     return [Conversation.from_prompt(p) for p in prompts]
 
 
