@@ -160,6 +160,27 @@ def test_target_hidden_runs_only_the_needed_layers_and_equals_output_hidden_stat
     assert [len(layer._forward_hooks) for layer in target.model.layers] == hooks   # its own hooks are gone
 
 
+def test_the_target_forward_never_uses_cudnn_attention_while_the_drafter_may():
+    """cuDNN's per-call host cost is paid only where its masked kernels help (the drafter): inside a
+    run with `cudnn_attention` the target's layers see cuDNN off, the drafter's context sees it on."""
+    from conftest import tiny_llama
+
+    from dspine.train.config import TrainConfig
+    from dspine.train.trainer import attention_backends, target_hidden
+
+    target = tiny_llama()
+    seen = []
+    target.model.layers[0].register_forward_pre_hook(
+        lambda *_: seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())))
+    ids = torch.randint(4, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    for cudnn in (True, False):
+        with attention_backends(TrainConfig(data="unused.jsonl", run_dir="unused", cudnn_attention=cudnn)):
+            drafter_side = torch.backends.cuda.cudnn_sdp_enabled()
+            target_hidden(target, ids, [0, 2])
+            assert torch.backends.cuda.cudnn_sdp_enabled() == drafter_side == cudnn   # restored after the target
+    assert seen == [(False, True), (False, True)]
+
+
 @pytest.fixture(scope="module")
 def tiny_target_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -143,7 +143,7 @@ def target_hidden(target, input_ids: Tensor, layer_ids: list[int],
 
     handles = [layers[i].register_forward_hook(record(i)) for i in set(layer_ids)]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), target_attention():
             end = base(input_ids=input_ids, use_cache=False).last_hidden_state
         captured[len(layers) - 1] = end
     except _StopForward:
@@ -292,15 +292,32 @@ def make_objective(model: DSpineDrafter, cfg: TrainConfig) -> nn.Module:
     return distributed.wrap(objective, distributed.context())
 
 
+def _unmasked_backends() -> list:
+    """Flash, memory-efficient and math attention, in that order of preference."""
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def attention_backends(cfg: TrainConfig):
-    """A context in which scaled-dot-product attention (target and drafter) may use the flash,
+    """A context in which the drafter's scaled-dot-product attention may use the flash,
     memory-efficient and math kernels, and cuDNN's first when `cfg.cudnn_attention`: a cuDNN call
     costs milliseconds of host time (its per-shape plans), which starves the device on short
-    sequences, while on long ones its masked attention is the faster (docs/training.md)."""
+    sequences, while on long ones its masked attention is the faster (docs/training.md). The
+    target's forward inside it still runs `target_attention`."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    backends = _unmasked_backends()
     return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, *backends] if cfg.cudnn_attention else backends)
+
+
+def target_attention():
+    """The frozen target's attention kernels: flash first, never cuDNN. Its attention is causal and
+    unmasked (`target_hidden`), which flash computes at a fraction of cuDNN's per-call host time; a
+    cuDNN plan per layer and shape would cost tens of milliseconds of host work per step."""
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(_unmasked_backends())
 
 
 def draft_mask(batch: BlockBatch, cfg: TrainConfig):
