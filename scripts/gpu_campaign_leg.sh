@@ -20,7 +20,8 @@
 #                   first leg. DSPINE_NEW_DATA=1 when the data grew since that leg.
 #
 # bench-accept reads the evaluation prompts' export .gpu-dspine/prompts (carry it); DSPINE_ACCEPT=0
-# skips it.
+# skips it. DSPINE_RUNS=dspine trains the DSpine drafter alone, DSPINE_RUNS=ablation the ablation alone
+# (gpu_train_pair.sh): OUT/back then holds that run's files only.
 #
 # OUT/back: state_{dspine,ablation}.pt (travel states), run_key_{dspine,ablation}.json,
 # train_log_{dspine,ablation}.json, learning_curves_campaign.json/.png, acceptance_smollm2.json, acc/,
@@ -62,10 +63,13 @@ DSPINE_DATA="$OUT/campaign.jsonl" DSPINE_TARGET="$SMOLLM2" DSPINE_TRAIN_SECONDS=
 
 mkdir -p "$OUT/back"
 cp "$OUT"/pair/state_*.pt "$OUT"/pair/run_key_*.json "$OUT"/pair/train_log_*.json "$OUT/back/"
-cp -r "$OUT/pair/ckpt_dspine" "$OUT/pair/ckpt_ablation" "$OUT/back/"   # both: the served comparison needs the pair
+cp -r "$OUT"/pair/ckpt_* "$OUT/back/"   # both when both trained: the served comparison needs the pair
 # DSPINE_ACCEPT=0 (a leg whose minutes all go to training: its curve is the train logs' held-out tau)
 [ "${DSPINE_ACCEPT:-1}" = 0 ] || cp -r "$OUT/pair/acceptance_smollm2.json" "$OUT/pair/acc" "$OUT/back/"
-python3 -m dspine.bench.learning_curves --run "dspine=$OUT/back/train_log_dspine.json" \
-  --run "ablation=$OUT/back/train_log_ablation.json" --out-dir "$OUT/back" --name learning_curves_campaign ||
+CURVES=()
+for run in dspine ablation; do
+  [ ! -f "$OUT/back/train_log_$run.json" ] || CURVES+=(--run "$run=$OUT/back/train_log_$run.json")
+done
+python3 -m dspine.bench.learning_curves "${CURVES[@]}" --out-dir "$OUT/back" --name learning_curves_campaign ||
   echo "[gpu_campaign_leg] no learning curves (see above); the train logs are in OUT/back"
 echo "[gpu_campaign_leg] done; collect with: dspine_collect $OUT/back"

@@ -30,7 +30,10 @@
 #    puts them in place first, so the runs continue where that leg stopped; with DSPINE_NEW_DATA=1 (the
 #    data grew) they go on with everything but the data, with DSPINE_WARM_START=1 (other settings)
 #    from those weights with a new optimizer and schedule.
-#    DSPINE_ACCEPT=0 skips step 3.
+#    DSPINE_ACCEPT=0 skips step 3. DSPINE_RUNS picks the runs (default 'dspine ablation'): 'dspine'
+#    trains and measures the DSpine drafter alone (the GPU to itself, about twice its labels in the same
+#    minutes), and a later 'ablation' run with the same data, steps and seed catches up: once both have
+#    finished the schedule, the ratio compares equal budgets.
 # 2. scripts/train_pair.py: the DSpine drafter (or VARIANT) and the ablation, one process each, sharing the GPU.
 # 3. bench-accept, one process per drafter (32 prompts per set, 160 new tokens, T=0 and T=1; greedy
 #    parity checked for DSpine), merged into OUT/acceptance_smollm2.json; a third process measures the
@@ -78,26 +81,34 @@ if [ -n "$VARIANT" ]; then
   NAME=dspine-$VARIANT
 fi
 COMMON=(--steps "$STEPS" --data "$OUT/data.jsonl" --work /tmp/dspine-run --out-dir "$OUT")
+RUNS=()
+for run in ${DSPINE_RUNS:-dspine ablation}; do
+  case $run in dspine) RUNS+=("$NAME") ;; ablation) RUNS+=(ablation) ;;
+    *) echo "[gpu_train_pair] DSPINE_RUNS: '$run' is neither dspine nor ablation" >&2; exit 1 ;; esac
+done
+has_run() { [[ " ${RUNS[*]} " == *" $1 "* ]]; }
 if [ -n "${DSPINE_RESUME:-}" ]; then
-  for run in "$NAME" ablation; do
+  for run in "${RUNS[@]}"; do
     mkdir -p "/tmp/dspine-run/$run"
     cp "$DSPINE_RESUME/state_$run.pt" "/tmp/dspine-run/$run/state.pt"
     cp "$DSPINE_RESUME/run_key_$run.json" "/tmp/dspine-run/$run/run_key.json"
   done
-  say "resuming $NAME and the ablation from $DSPINE_RESUME"
+  say "resuming ${RUNS[*]} from $DSPINE_RESUME"
 fi
 for kv in ${DSPINE_TRAIN_SET:-}; do COMMON+=(--set "$kv"); done
 [ -z "${DSPINE_TARGET:-}" ] || COMMON+=(--set "target=$DSPINE_TARGET")
 [ -z "${DSPINE_TRAIN_SECONDS:-}" ] || COMMON+=(--time-limit "$DSPINE_TRAIN_SECONDS")
 [ "${DSPINE_WARM_START:-0}" = 0 ] || COMMON+=(--warm-start)
 [ "${DSPINE_NEW_DATA:-0}" = 0 ] || COMMON+=(--new-data)
-python3 scripts/train_pair.py "${DSPINE_RUN[@]}" "${COMMON[@]}" > "$OUT/train-dspine.log" 2>&1 &
-dspine_pid=$!
-python3 scripts/train_pair.py train-ablation "${COMMON[@]}" > "$OUT/train-ablation.log" 2>&1
-wait $dspine_pid
-say "trained $NAME and the ablation ($STEPS steps each, or until ${DSPINE_TRAIN_SECONDS:-no} s)"
+pids=()
+if has_run "$NAME"; then python3 scripts/train_pair.py "${DSPINE_RUN[@]}" "${COMMON[@]}" > "$OUT/train-dspine.log" 2>&1 &
+  pids+=($!); fi
+if has_run ablation; then python3 scripts/train_pair.py train-ablation "${COMMON[@]}" > "$OUT/train-ablation.log" 2>&1 &
+  pids+=($!); fi
+for pid in "${pids[@]}"; do wait "$pid"; done
+say "trained ${RUNS[*]} ($STEPS steps each, or until ${DSPINE_TRAIN_SECONDS:-no} s)"
 if [ -n "${DSPINE_TRAIN_SECONDS:-}" ]; then
-  for run in "$NAME" ablation; do
+  for run in "${RUNS[@]}"; do
     python3 -m dspine.train.resume travel "/tmp/dspine-run/$run/state.pt" "$OUT/state_$run.pt"
     cp "/tmp/dspine-run/$run/run_key.json" "$OUT/run_key_$run.json"
   done
@@ -107,14 +118,18 @@ fi
 ACC=(python3 -m dspine.cli bench-accept --num-prompts 32 --max-new-tokens 160 --batch-size 32 --device cuda
      --prompts-dir "$EVAL_PROMPTS"
      "${TARGET_ARGS[@]}")
-"${ACC[@]}" --drafter "dspine=$OUT/ckpt_$NAME" --check-parity --out "$OUT/acc/dspine.json" > "$OUT/acc/dspine.log" 2>&1 &
-acc_pid=$!
-"${ACC[@]}" --drafter "dspine-argmax=$OUT/ckpt_$NAME" --selection argmax --out "$OUT/acc/dspine_argmax.json" \
-  > "$OUT/acc/dspine_argmax.log" 2>&1 &
-argmax_pid=$!
-"${ACC[@]}" --drafter "ablation=$OUT/ckpt_ablation" --out "$OUT/acc/ablation.json" > "$OUT/acc/ablation.log" 2>&1
-wait $acc_pid
-wait $argmax_pid
-python3 -m dspine.cli bench-accept --merge "$OUT/acc/dspine.json" "$OUT/acc/ablation.json" \
-  --out "$OUT/acceptance_smollm2.json"
+pids=() MEASURED=()
+if has_run "$NAME"; then
+  "${ACC[@]}" --drafter "dspine=$OUT/ckpt_$NAME" --check-parity --out "$OUT/acc/dspine.json" > "$OUT/acc/dspine.log" 2>&1 &
+  pids+=($!)
+  "${ACC[@]}" --drafter "dspine-argmax=$OUT/ckpt_$NAME" --selection argmax --out "$OUT/acc/dspine_argmax.json" \
+    > "$OUT/acc/dspine_argmax.log" 2>&1 &
+  pids+=($!) MEASURED+=("$OUT/acc/dspine.json")
+fi
+if has_run ablation; then
+  "${ACC[@]}" --drafter "ablation=$OUT/ckpt_ablation" --out "$OUT/acc/ablation.json" > "$OUT/acc/ablation.log" 2>&1 &
+  pids+=($!) MEASURED+=("$OUT/acc/ablation.json")
+fi
+for pid in "${pids[@]}"; do wait "$pid"; done
+python3 -m dspine.cli bench-accept --merge "${MEASURED[@]}" --out "$OUT/acceptance_smollm2.json"
 say "done"
