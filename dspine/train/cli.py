@@ -39,7 +39,8 @@ def cmd_train(args) -> int:
 
     try:
         cfg = TrainConfig.from_yaml(args.config, args.set or [], data=args.data, run_dir=args.run_dir,
-                                    steps=args.steps, batch_size=args.batch_size, target=args.target)
+                                    steps=args.steps, batch_size=args.batch_size, target=args.target,
+                                    init_from=args.init_from)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if args.profile_steps:
             from dspine.train.profile import profile_training
@@ -129,11 +130,16 @@ def add_command(sub) -> None:
                                    "  dspine train smollm2-dspine --data runs/data/smollm2.jsonl\n"
                                    "  dspine train smollm2-ablation --data ... --time-limit-minutes 8\n"
                                    "  dspine train smollm2-dspine --data more.jsonl --new-data    # same run, grown data\n"
+                                   "  dspine train smollm2-dspine --data mine.jsonl --init-from DRAFTER_DIR   # fine-tune it\n"
                                    "  dspine train my.yaml --target ./my-target --set lr=3e-4 --set drafter.injection_top_k=16")
     t.add_argument("config", help="a packaged training config name (smollm2-dspine, smollm2-ablation) or a YAML path")
     t.add_argument("--data", help="JSONL from `dspine gen-data` (overrides the config)")
     t.add_argument("--run-dir", help="where state, log and the exported checkpoint go (overrides the config)")
     t.add_argument("--target", default=None, help="target to train against (overrides the config's `target`)")
+    t.add_argument("--init-from", default=None, metavar="CHECKPOINT",
+                   help="start from this drafter checkpoint's weights (a folder or hub id; same target and weight "
+                        "shapes) instead of a random init, with a new optimizer and schedule: fine-tune the shipped "
+                        "drafter on your own data (overrides the config's `init_from`)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a config field, value read as YAML (repeatable): lr=3e-4, drafter.injection_top_k=16")
     t.add_argument("--steps", type=cli_args.positive_int, help=">= 1 (overrides the config)")

@@ -84,6 +84,9 @@ class TrainConfig:
     run_dir: str
     target: str | None = None
     drafter: dict = field(default_factory=dict)
+    # A drafter checkpoint folder (or hub id) whose weights start the run instead of a random init
+    # (`dspine.train.init_from`): same target, same weight shapes; fresh optimizer and schedule.
+    init_from: str | None = None
     seed: int = 0
     steps: int = 2000
     batch_size: int = 32

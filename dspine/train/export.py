@@ -45,7 +45,7 @@ def export_drafter(model: DSpineDrafter, path: Path, cfg: TrainConfig, *, log: l
                     extra_config={"dspine_training": {
                         "data": data, "steps": cfg.steps, "step": step, "batch_size": cfg.batch_size,
                         "grad_accum_steps": cfg.grad_accum_steps, "world_size": world,
-                        "blocks_per_seq": cfg.blocks_per_seq, "seed": cfg.seed}})
+                        "blocks_per_seq": cfg.blocks_per_seq, "seed": cfg.seed, "init_from": cfg.init_from}})
     model.train()
     return path
 

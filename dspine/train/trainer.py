@@ -33,7 +33,7 @@ from torch.profiler import record_function
 from dspine.model.config import DSpineConfig
 from dspine.model.drafter import DSpineDrafter
 from dspine.model.selection import select_tokens
-from dspine.train import distributed, resume
+from dspine.train import distributed, init_from, resume
 from dspine.train.blocks import BlockBatch, make_block_batch
 from dspine.train.config import TrainConfig, TrainConfigError
 from dspine.train.export import device_name, export_drafter
@@ -371,7 +371,8 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
     far), so a campaign can be measured between sessions.
 
     Before anything is written or the target loads, in this order: the config, the data file (every
-    line a record, of this target, enough of them), the run directory (writable), and for a run
+    line a record, of this target, enough of them), `init_from`'s checkpoint (`init_from.check`), the
+    run directory (writable), and for a run
     directory holding a state, that the state is this run's (`resume.check`: same config fields,
     target and data; `warm_start` continues from its weights alone, `new_data` with everything when
     only the data file changed); each failure is a
@@ -383,7 +384,8 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
     started = time.perf_counter()
     cfg = TrainConfig(**dataclasses.asdict(cfg))  # re-checked: callers may have edited fields
     records = load_records(cfg.data)
-    identity = target_identity(load_target_config(cfg.target), cfg.target or DEFAULT_TARGET)
+    target_config = load_target_config(cfg.target)
+    identity = target_identity(target_config, cfg.target or DEFAULT_TARGET)
     check_data_target(records, identity, cfg.data)
     needed = cfg.heldout_sequences + cfg.batch_size
     if len(records) < needed:
@@ -391,6 +393,7 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
                                f"needs heldout_sequences + batch_size = {cfg.heldout_sequences} + {cfg.batch_size}; "
                                f"write more with `dspine gen-data --num-prompts N` or lower them "
                                f"(--set heldout_sequences=N, --batch-size N)")
+    init_dir = init_from.check(cfg, target_config) if cfg.init_from else None
     run_dir = Path(cfg.run_dir)
     check_run_dir(run_dir)
     state_file, key_file = run_dir / "state.pt", run_dir / "run_key.json"
@@ -432,6 +435,11 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
         if dist.main:
             note = " (weights only; new optimizer and schedule)" if mode == "warm-start" else ""
             print(f"dspine train: {WHAT_IT_DID[mode]} {run_dir} at step {state['step']}{note}")
+    elif init_dir is not None:
+        record = init_from.load(model, init_dir)
+        if dist.main:
+            write_json_atomic(run_dir / "init_from.json", record)
+            print(f"dspine train: starting from the weights of {init_dir} (new optimizer and schedule)")
     objective = make_objective(model, cfg)
     sampler = distributed.SequenceSampler(records, seed=cfg.seed, rank=dist.rank, world=dist.world,
                                           group=max(1, cfg.length_group_batches * cfg.batch_size))
