@@ -3,9 +3,10 @@
 
 The checkpoint must be a drafter of this run's target (same fingerprint) whose weights have the
 shapes this run's drafter config implies; only its weights are taken: the optimizer, schedule and
-log start fresh, as with `--warm-start` from a run state. `check` runs before the run writes
-anything; `load` after the drafter is built. `init_from.json` in the run directory and
-`dspine_training.init_from` in the exported config say where the weights came from."""
+log start fresh, as with `--warm-start` from a run state. Only a new run starts from it: a run
+directory that already holds a state resumes (or warm-starts) from that state. `check` runs
+before the run writes anything; `load` after the drafter is built. `init_from.json` in the run
+directory and `dspine_training.init_from` in the exported config say where the weights came from."""
 
 from __future__ import annotations
 
