@@ -22,9 +22,9 @@ from dspine.train.config import TrainConfig, TrainConfigError
 
 
 def check(cfg: TrainConfig, target_config) -> Path:
-    """The checkpoint folder of `cfg.init_from`, after checking (config and weight headers only) that
-    it is a drafter of `target_config`'s target with the weight shapes of `cfg.drafter`;
-    TrainConfigError naming what differs and the fix otherwise."""
+    """The checkpoint folder of `cfg.init_from`, after checking from its config.json alone that it is
+    a drafter of `target_config`'s target with the weight shapes of `cfg.drafter` (the weight files
+    themselves are checked by `load`); TrainConfigError naming what differs and the fix otherwise."""
     where = f"init_from = {cfg.init_from}"
     try:
         ckpt_dir = resolve_checkpoint_dir(cfg.init_from)

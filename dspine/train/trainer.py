@@ -372,10 +372,9 @@ def train(cfg: TrainConfig, *, device: str, time_limit_s: float | None = None, p
 
     Before anything is written or the target loads, in this order: the config, the data file (every
     line a record, of this target, enough of them), `init_from`'s checkpoint (`init_from.check`), the
-    run directory (writable), and for a run
-    directory holding a state, that the state is this run's (`resume.check`: same config fields,
-    target and data; `warm_start` continues from its weights alone, `new_data` with everything when
-    only the data file changed); each failure is a
+    run directory (writable), and for a run directory holding a state, that the state is this run's
+    (`resume.check`: same config fields, target and data; `warm_start` continues from its weights
+    alone, `new_data` with everything when only the data file changed); each failure is a
     TrainConfigError naming the file, line or key and the fix."""
     from tqdm.auto import tqdm
 
