@@ -370,7 +370,7 @@ def test_already_divisible_is_copied_unchanged(pair, tmp_path, capsys):
 
 
 def test_the_padded_drafter_has_copy_candidates_off(pair, tmp_path):
-    """Copy candidates run at tensor parallel size 1 (the worker refuses them at --tp-size > 1): a
+    """Copy candidates run at tensor parallel size 1 (the worker drops them at --tp-size > 1): a
     drafter shipped with them on is written for TP with them off, padded or copied."""
     _, drafter_dir, target_dir, _ = pair
     src = tmp_path / "drafter-copy"

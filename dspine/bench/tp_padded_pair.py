@@ -310,8 +310,8 @@ def pad_target_dir(src: Path, dst: Path, tp: int = 2) -> dict:
 
 def without_copy_candidates(config_file: Path) -> None:
     """Turn a copied drafter's copy candidates off: they run at tensor parallel size 1 only (the copy
-    path scores the whole vocabulary through the unsharded head), and the worker refuses them at
-    `--tp-size` > 1."""
+    path scores the whole vocabulary through the unsharded head); the written config says so rather
+    than leaving the worker to drop them at `--tp-size` > 1."""
     raw = read_json(config_file)
     if raw.get("dspine_config", {}).get("copy_candidates"):
         raw["dspine_config"]["copy_candidates"] = False

@@ -244,9 +244,16 @@ class DSpineWorkerV2(DFlashWorkerV2):
 
     def _attach_token_history(self) -> None:
         """Copy candidates (`dspine_config.copy_candidates`): keep every request's tokens on the
-        device (`SlotTokenHistory`, rows of SGLang's req_to_token pool) for the draft model."""
+        device (`SlotTokenHistory`, rows of SGLang's req_to_token pool) for the draft model. The copy
+        path scores the whole vocabulary through the unsharded head, so under tensor parallelism the
+        drafter serves without copy candidates (logged) instead of refusing to start."""
         cfg = self.draft_model.dspine_config
         if not cfg.copy_candidates:
+            return
+        tp_size = int(getattr(compat.tp_group(), "world_size", 1))
+        if tp_size != 1:
+            logger.warning("DSPINE copy candidates need tensor parallel size 1 (this server: %d); serving without "
+                           "them. Serve with --tp 1 to use them.", tp_size)
             return
         pool = self.target_worker.model_runner.req_to_token_pool.req_to_token
         requests = compat.server_args_value(self.server_args, "max_running_requests") or 0

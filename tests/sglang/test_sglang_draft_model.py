@@ -804,6 +804,33 @@ def test_worker_writes_the_token_history_at_prefill_and_after_each_decode_step()
     assert history.ids[1, :6].tolist() == [8, 10, 15, 16, 17, 18]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_worker_serves_copy_candidates_at_tp_1_and_without_them_above(sglang_env, monkeypatch, caplog, tp):
+    """A drafter shipped with copy candidates on serves at any --tp: TP 1 attaches the token history
+    the draft graph reads; above it the worker logs why and serves without copies."""
+    import logging
+
+    from dspine.sglang import compat
+    from dspine.sglang.token_history import SlotTokenHistory
+
+    attached_histories = []
+    model = SimpleNamespace(dspine_config=dspine_cfg(copy_candidates=True),
+                            attach_token_history=attached_histories.append)
+    pool = torch.zeros(6, 64, dtype=torch.int32)
+    target = SimpleNamespace(model_runner=SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=pool)))
+    worker = bare_worker(model, _target_worker=target, server_args=SimpleNamespace(max_running_requests=4))
+    monkeypatch.setattr(compat, "tp_group", lambda: SimpleNamespace(world_size=tp))
+    monkeypatch.setattr(compat, "decode_graph_max_bs", lambda: 8)
+    with caplog.at_level(logging.INFO, logger="dspine.sglang.dspine_worker_v2"):
+        worker._attach_token_history()
+    if tp == 1:
+        assert isinstance(worker._history, SlotTokenHistory) and attached_histories == [worker._history]
+        assert "copy candidates on" in caplog.text
+    else:
+        assert worker._history is None and attached_histories == []
+        assert "need tensor parallel size 1 (this server: 2); serving without them" in caplog.text
+
+
 def test_worker_refuses_a_foreign_draft_and_a_wrong_target(sglang_env, ckpt, target_weights):
     from dspine.model.checkpoint import IncompatibleTargetError
 
